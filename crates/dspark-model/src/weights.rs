@@ -1,0 +1,133 @@
+//! Weight sources: a GGUF file or a Hugging Face directory, both addressed by GGUF tensor names.
+
+use crate::config::Family;
+use crate::{ModelError, Result};
+use candle_core::quantized::gguf_file::Content;
+use candle_core::{DType, Device, Tensor};
+use dspark_kernels::{KernelChoice, QLinear};
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+pub enum Weights {
+    Gguf { path: PathBuf, content: Content, kernels: KernelChoice },
+    Hf { tensors: HashMap<String, Tensor>, family: Family },
+}
+
+impl Weights {
+    pub fn gguf(path: &Path, content: Content) -> Self {
+        Self::Gguf { path: path.to_path_buf(), content, kernels: KernelChoice::from_env() }
+    }
+
+    /// Reads every `*.safetensors` file of a Hugging Face model directory.
+    pub fn hf(dir: &Path, family: Family) -> Result<Self> {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|e| ModelError::io(dir, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(ModelError::Format(format!("{} has no .safetensors files", dir.display())));
+        }
+        let mut tensors = HashMap::new();
+        for f in files {
+            let loaded = candle_core::safetensors::load(&f, &Device::Cpu)
+                .map_err(|e| ModelError::Format(format!("{}: {e}", f.display())))?;
+            tensors.extend(loaded);
+        }
+        Ok(Self::Hf { tensors, family })
+    }
+
+    fn hf_name(family: Family, gguf: &str) -> String {
+        let tail = |s: &str| -> String {
+            let (stem, kind) = s.rsplit_once('.').unwrap_or((s, "weight"));
+            let mapped = match (family, stem) {
+                (_, "attn_norm") => "input_layernorm",
+                (_, "attn_q") => "self_attn.q_proj",
+                (_, "attn_k") => "self_attn.k_proj",
+                (_, "attn_v") => "self_attn.v_proj",
+                (_, "attn_output") => "self_attn.o_proj",
+                (_, "attn_q_norm") => "self_attn.q_norm",
+                (_, "attn_k_norm") => "self_attn.k_norm",
+                (Family::Gemma3, "ffn_norm") => "pre_feedforward_layernorm",
+                (Family::Gemma3, "post_attention_norm") => "post_attention_layernorm",
+                (Family::Gemma3, "post_ffw_norm") => "post_feedforward_layernorm",
+                (_, "ffn_norm") => "post_attention_layernorm",
+                (_, "ffn_gate") => "mlp.gate_proj",
+                (_, "ffn_up") => "mlp.up_proj",
+                (_, "ffn_down") => "mlp.down_proj",
+                (_, other) => other,
+            };
+            format!("{mapped}.{kind}")
+        };
+        match gguf {
+            "token_embd.weight" => "model.embed_tokens.weight".into(),
+            "output_norm.weight" => "model.norm.weight".into(),
+            "output.weight" => "lm_head.weight".into(),
+            s if s.starts_with("blk.") => {
+                let rest = &s[4..];
+                let (layer, t) = rest.split_once('.').unwrap_or((rest, ""));
+                format!("model.layers.{layer}.{}", tail(t))
+            }
+            s => s.into(),
+        }
+    }
+
+    pub fn has(&self, name: &str) -> bool {
+        match self {
+            Self::Gguf { content, .. } => content.tensor_infos.contains_key(name),
+            Self::Hf { tensors, family } => tensors.contains_key(&Self::hf_name(*family, name)),
+        }
+    }
+
+    fn missing(name: &str) -> ModelError {
+        ModelError::Format(format!("the model file lacks tensor `{name}`"))
+    }
+
+    pub fn linear(&self, name: &str) -> Result<QLinear> {
+        match self {
+            Self::Gguf { path, content, kernels } => {
+                if !content.tensor_infos.contains_key(name) {
+                    return Err(Self::missing(name));
+                }
+                let mut f = File::open(path).map_err(|e| ModelError::io(path, e))?;
+                let qt = content.tensor(&mut f, name, &Device::Cpu).map_err(|e| {
+                    ModelError::Format(format!("tensor `{name}`: {e} (is the file truncated?)"))
+                })?;
+                Ok(QLinear::from_qtensor(qt, *kernels)?)
+            }
+            Self::Hf { tensors, family } => {
+                let t = tensors.get(&Self::hf_name(*family, name)).ok_or_else(|| Self::missing(name))?;
+                Ok(QLinear::from_dense(t.clone())?)
+            }
+        }
+    }
+
+    /// A 1-D tensor (norm weight, bias) as f32.
+    pub fn vector(&self, name: &str) -> Result<Vec<f32>> {
+        let t = match self {
+            Self::Gguf { path, content, .. } => {
+                if !content.tensor_infos.contains_key(name) {
+                    return Err(Self::missing(name));
+                }
+                let mut f = File::open(path).map_err(|e| ModelError::io(path, e))?;
+                content.tensor(&mut f, name, &Device::Cpu).and_then(|q| q.dequantize(&Device::Cpu)).map_err(
+                    |e| ModelError::Format(format!("tensor `{name}`: {e} (is the file truncated?)")),
+                )?
+            }
+            Self::Hf { tensors, family } => {
+                tensors.get(&Self::hf_name(*family, name)).ok_or_else(|| Self::missing(name))?.clone()
+            }
+        };
+        Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
+    }
+
+    pub fn optional_vector(&self, name: &str) -> Result<Option<Vec<f32>>> {
+        if self.has(name) {
+            self.vector(name).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+}

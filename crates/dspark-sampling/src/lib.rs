@@ -1,0 +1,203 @@
+//! The target distribution a sampler draws from: logits shaped by temperature, top-k and top-p.
+//! Speculative verification uses the same shaping, so plain and speculative sampling target
+//! exactly the same distribution.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SamplingError {
+    #[error("temperature must be a finite number ≥ 0 (0 = greedy), got {0}")]
+    Temperature(f32),
+    #[error("top-p must be in (0, 1], got {0}")]
+    TopP(f32),
+    #[error("top-k must be ≥ 1 (or absent), got 0")]
+    TopK,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self { temperature: 0.0, top_k: None, top_p: None }
+    }
+}
+
+impl SamplingParams {
+    pub fn validate(&self) -> Result<(), SamplingError> {
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return Err(SamplingError::Temperature(self.temperature));
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(SamplingError::TopP(p));
+            }
+        }
+        if self.top_k == Some(0) {
+            return Err(SamplingError::TopK);
+        }
+        Ok(())
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    /// The full-vocabulary distribution to sample from (for greedy: one-hot on the argmax).
+    /// Probabilities are f64 so that exactness tests can sum them without drift.
+    pub fn distribution(&self, logits: &[f32]) -> Vec<f64> {
+        let mut p = vec![0f64; logits.len()];
+        if self.is_greedy() {
+            p[argmax(logits)] = 1.0;
+            return p;
+        }
+        let t = self.temperature as f64;
+        let mut idx: Vec<usize> = (0..logits.len()).collect();
+        // Ties broken by token id so that the kept set never depends on sort stability.
+        let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+        let keep = match self.top_k {
+            Some(k) if k < logits.len() => {
+                idx.select_nth_unstable_by(k - 1, by_logit);
+                idx.truncate(k);
+                k
+            }
+            _ => logits.len(),
+        };
+        idx.sort_unstable_by(by_logit);
+        let max = logits[idx[0]] as f64;
+        let mut w: Vec<f64> = idx.iter().map(|&i| ((logits[i] as f64 - max) / t).exp()).collect();
+        let total: f64 = w.iter().sum();
+        let mut n = keep;
+        if let Some(top_p) = self.top_p {
+            let mut cum = 0.0;
+            for (j, wi) in w.iter().enumerate() {
+                cum += wi / total;
+                if cum >= top_p as f64 {
+                    n = j + 1;
+                    break;
+                }
+            }
+        }
+        w.truncate(n);
+        let z: f64 = w.iter().sum();
+        for (&i, wi) in idx.iter().zip(&w) {
+            p[i] = wi / z;
+        }
+        p
+    }
+}
+
+pub fn argmax(logits: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// A seeded random source; every draw of a run comes from it, so runs repeat exactly.
+pub struct Sampler {
+    rng: StdRng,
+}
+
+impl Sampler {
+    pub fn new(seed: u64) -> Self {
+        Self { rng: StdRng::seed_from_u64(seed) }
+    }
+
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.random::<f64>()
+    }
+
+    /// Draws an index from a distribution whose entries sum to (about) one.
+    pub fn draw(&mut self, p: &[f64]) -> usize {
+        let total: f64 = p.iter().sum();
+        let u = self.uniform() * total;
+        let mut cum = 0.0;
+        let mut last = 0;
+        for (i, &pi) in p.iter().enumerate() {
+            if pi > 0.0 {
+                cum += pi;
+                last = i;
+                if u < cum {
+                    return i;
+                }
+            }
+        }
+        last
+    }
+
+    /// Samples a token from logits under `params`.
+    pub fn sample(&mut self, logits: &[f32], params: &SamplingParams) -> u32 {
+        if params.is_greedy() {
+            return argmax(logits) as u32;
+        }
+        self.draw(&params.distribution(logits)) as u32
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_is_one_hot_on_the_first_maximum() {
+        let p = SamplingParams::default().distribution(&[1.0, 3.0, 3.0, -1.0]);
+        assert_eq!(p, vec![0.0, 1.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn temperature_one_is_softmax() {
+        let logits = [0.0f32, (2.0f32).ln(), (3.0f32).ln()];
+        let p = SamplingParams { temperature: 1.0, ..Default::default() }.distribution(&logits);
+        for (a, b) in p.iter().zip([1.0 / 6.0, 2.0 / 6.0, 3.0 / 6.0]) {
+            assert!((a - b).abs() < 1e-6, "{p:?}");
+        }
+    }
+
+    #[test]
+    fn top_k_and_top_p_keep_the_right_set_and_renormalise() {
+        let logits = [(1.0f32).ln(), (2.0f32).ln(), (3.0f32).ln(), (4.0f32).ln()];
+        let s = SamplingParams { temperature: 1.0, top_k: Some(2), top_p: None };
+        let p = s.distribution(&logits);
+        assert!(
+            (p[3] - 4.0 / 7.0).abs() < 1e-6 && (p[2] - 3.0 / 7.0).abs() < 1e-6 && p[0] == 0.0 && p[1] == 0.0
+        );
+        // Probabilities 0.4, 0.3, 0.2, 0.1: top-p 0.65 keeps {0.4, 0.3}.
+        let s = SamplingParams { temperature: 1.0, top_k: None, top_p: Some(0.65) };
+        let p = s.distribution(&logits);
+        assert!((p[3] - 4.0 / 7.0).abs() < 1e-6 && p[1] == 0.0, "{p:?}");
+    }
+
+    #[test]
+    fn draws_follow_the_distribution() {
+        let mut s = Sampler::new(7);
+        let p = [0.1, 0.0, 0.6, 0.3];
+        let mut counts = [0usize; 4];
+        let n = 200_000;
+        for _ in 0..n {
+            counts[s.draw(&p)] += 1;
+        }
+        assert_eq!(counts[1], 0);
+        for i in 0..4 {
+            assert!((counts[i] as f64 / n as f64 - p[i]).abs() < 0.005, "{counts:?}");
+        }
+    }
+
+    #[test]
+    fn bad_parameters_are_rejected() {
+        assert!(SamplingParams { temperature: -1.0, ..Default::default() }.validate().is_err());
+        assert!(SamplingParams { temperature: f32::NAN, ..Default::default() }.validate().is_err());
+        assert!(SamplingParams { top_p: Some(0.0), ..Default::default() }.validate().is_err());
+        assert!(SamplingParams { top_p: Some(1.5), ..Default::default() }.validate().is_err());
+        assert!(SamplingParams { top_k: Some(0), ..Default::default() }.validate().is_err());
+    }
+}

@@ -1,0 +1,151 @@
+//! Tokenizers and chat templates for dspark's targets.
+//!
+//! candle's own GGUF tokenizer adds a prefix space and skips SmolLM2's digit splitting, so the
+//! tokenizer is rebuilt here from the GGUF metadata with the `tokenizers` crate, one
+//! pre-tokenizer per `tokenizer.ggml.pre` value, and checked against llama.cpp's ids.
+
+mod chat;
+mod gguf;
+
+pub use chat::{ChatMessage, ChatTemplate};
+pub use gguf::GgufTokenizerSpec;
+
+use std::path::Path;
+use tokenizers::Tokenizer as HfTokenizer;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("the GGUF has no tokenizer metadata key `{0}`; it cannot be tokenized without it")]
+    MissingKey(String),
+    #[error("unsupported tokenizer: {0}")]
+    Unsupported(String),
+    #[error("tokenizer error: {0}")]
+    Backend(String),
+    #[error("chat template error: {0}")]
+    Template(String),
+    #[error("cannot read {path}: {msg}")]
+    Io { path: String, msg: String },
+}
+
+pub type Result<T> = std::result::Result<T, TokenizerError>;
+
+fn backend<E: std::fmt::Display>(e: E) -> TokenizerError {
+    TokenizerError::Backend(e.to_string())
+}
+
+/// A tokenizer together with the ids the decode loop needs.
+pub struct Tokenizer {
+    /// Splits special tokens out of the text (llama.cpp's `special = true`).
+    with_special: HfTokenizer,
+    /// Treats every character as text.
+    plain: HfTokenizer,
+    bos: Option<u32>,
+    add_bos: bool,
+    eos: Vec<u32>,
+    vocab_size: usize,
+}
+
+impl Tokenizer {
+    pub fn from_gguf(content: &candle_core::quantized::gguf_file::Content) -> Result<Self> {
+        GgufTokenizerSpec::read(content)?.build()
+    }
+
+    /// Loads a Hugging Face `tokenizer.json`; `bos`/`eos` come from the model's config.
+    pub fn from_hf_file(path: &Path, bos: Option<u32>, eos: Vec<u32>, add_bos: bool) -> Result<Self> {
+        let with_special = HfTokenizer::from_file(path)
+            .map_err(|e| TokenizerError::Io { path: path.display().to_string(), msg: e.to_string() })?;
+        let mut plain = with_special.clone();
+        plain.set_encode_special_tokens(true);
+        let vocab_size = with_special.get_vocab_size(true);
+        Ok(Self { with_special, plain, bos, add_bos, eos, vocab_size })
+    }
+
+    pub(crate) fn from_parts(
+        with_special: HfTokenizer,
+        plain: HfTokenizer,
+        bos: Option<u32>,
+        add_bos: bool,
+        eos: Vec<u32>,
+        vocab_size: usize,
+    ) -> Self {
+        Self { with_special, plain, bos, add_bos, eos, vocab_size }
+    }
+
+    /// Tokenizes `text` as-is. `parse_special` splits special tokens such as `<|im_start|>` out of
+    /// the text. A BOS is prepended only when the model asks for one and the text lacks it.
+    pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
+        let tok = if parse_special { &self.with_special } else { &self.plain };
+        let enc = tok.encode_fast(text, false).map_err(backend)?;
+        let mut ids = enc.get_ids().to_vec();
+        if let (true, Some(bos)) = (self.add_bos, self.bos) {
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Decodes ids to text; special tokens are kept so that what the model said is visible.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.with_special.decode(ids, false).map_err(backend)
+    }
+
+    /// The text of one token as raw bytes may be an incomplete UTF-8 sequence; streaming callers
+    /// should use [`StreamDecoder`] instead.
+    pub fn token_text(&self, id: u32) -> Option<String> {
+        self.with_special.id_to_token(id)
+    }
+
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.with_special.token_to_id(token)
+    }
+
+    pub fn bos(&self) -> Option<u32> {
+        self.bos
+    }
+
+    pub fn eos(&self) -> &[u32] {
+        &self.eos
+    }
+
+    pub fn add_eos(&mut self, id: u32) {
+        if !self.eos.contains(&id) {
+            self.eos.push(id);
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// The vocabulary as (token, id) pairs, used to check that a drafter shares the target's.
+    pub fn vocab(&self) -> std::collections::HashMap<String, u32> {
+        self.with_special.get_vocab(true)
+    }
+}
+
+/// Turns a stream of ids into text pieces that are always whole UTF-8: byte-level tokens may
+/// split a character (emoji, CJK) across tokens.
+pub struct StreamDecoder<'a> {
+    tok: &'a Tokenizer,
+    ids: Vec<u32>,
+    emitted: usize,
+}
+
+impl<'a> StreamDecoder<'a> {
+    pub fn new(tok: &'a Tokenizer) -> Self {
+        Self { tok, ids: Vec::new(), emitted: 0 }
+    }
+
+    /// Adds one id and returns the newly completed text, if any.
+    pub fn push(&mut self, id: u32) -> Result<Option<String>> {
+        self.ids.push(id);
+        let text = self.tok.decode(&self.ids)?;
+        if text.ends_with('\u{FFFD}') {
+            return Ok(None);
+        }
+        let new = text.get(self.emitted..).unwrap_or("").to_string();
+        self.emitted = text.len();
+        Ok(if new.is_empty() { None } else { Some(new) })
+    }
+}
