@@ -84,6 +84,9 @@ pub fn generate(
 ) -> Result<Generation> {
     params.sampling.validate()?;
     let context = model.config.context_length;
+    if prompt.len() >= context {
+        return Err(DecodeError::PromptTooLong { prompt: prompt.len(), context });
+    }
     let capacity = (prompt.len() + params.max_tokens).min(context);
     let mut cache = model.new_cache(capacity);
     let mut sampler = Sampler::new(params.seed);

@@ -48,18 +48,6 @@ unsafe fn unpack(format: QuantFormat, b: *const u8) -> (__m256i, f32, f32) {
 }
 
 #[inline(always)]
-unsafe fn dot_signed(w: __m256i, a: __m256i) -> __m256 {
-    let p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
-    _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)))
-}
-
-#[inline(always)]
-unsafe fn dot_unsigned(w: __m256i, a: __m256i) -> __m256 {
-    let p = _mm256_maddubs_epi16(w, a);
-    _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)))
-}
-
-#[inline(always)]
 unsafe fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -89,61 +77,55 @@ pub unsafe fn matmul_range(
     let bb = format.block_bytes();
     let row_bytes = nb * bb;
     let signed = !format.has_min();
-    let mut acc = [_mm256_setzero_ps(); MAX_ROWS];
+    // Even and odd blocks accumulate separately (two FMA chains); every row, whatever the batch
+    // size, sums in this same order, so a row's result does not depend on its batch.
+    let mut acc = [[_mm256_setzero_ps(); 2]; MAX_ROWS];
     let mut macc = [0f32; MAX_ROWS];
     let xq = x.qs.as_ptr();
     for n in n0..n1 {
         let wrow = w.as_ptr().add(n * row_bytes);
-        acc[..rows].fill(_mm256_setzero_ps());
-        macc[..rows].fill(0.0);
         if rows == 1 {
-            // Two independent chains keep the FMA unit busy on the decode path.
-            let mut acc2 = _mm256_setzero_ps();
-            let mut b = 0;
-            while b + 1 < nb {
-                let (q0, d0, m0) = unpack(format, wrow.add(b * bb));
-                let (q1, d1, m1) = unpack(format, wrow.add((b + 1) * bb));
-                let a0 = _mm256_loadu_si256(xq.add(b * QK) as *const __m256i);
-                let a1 = _mm256_loadu_si256(xq.add((b + 1) * QK) as *const __m256i);
-                let (p0, p1) = if signed {
-                    (dot_signed(q0, a0), dot_signed(q1, a1))
-                } else {
-                    (dot_unsigned(q0, a0), dot_unsigned(q1, a1))
-                };
-                acc[0] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x.d[b]), p0, acc[0]);
-                acc2 = _mm256_fmadd_ps(_mm256_set1_ps(d1 * x.d[b + 1]), p1, acc2);
-                macc[0] += m0 * x.s[b] + m1 * x.s[b + 1];
-                b += 2;
-            }
-            if b < nb {
-                let (q0, d0, m0) = unpack(format, wrow.add(b * bb));
-                let a0 = _mm256_loadu_si256(xq.add(b * QK) as *const __m256i);
-                let p0 = if signed { dot_signed(q0, a0) } else { dot_unsigned(q0, a0) };
-                acc[0] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x.d[b]), p0, acc[0]);
-                macc[0] += m0 * x.s[b];
-            }
-            acc[0] = _mm256_add_ps(acc[0], acc2);
-        } else {
-            for b in 0..nb {
-                let (q, d, m) = unpack(format, wrow.add(b * bb));
-                // Signed formats: |w| and sign(a, w) are per-weight work, shared by all rows.
-                let (wa, ws) = if signed { (_mm256_sign_epi8(q, q), q) } else { (q, q) };
-                for r in 0..rows {
-                    let a = _mm256_loadu_si256(xq.add(r * x.k + b * QK) as *const __m256i);
-                    let p = if signed {
-                        _mm256_maddubs_epi16(wa, _mm256_sign_epi8(a, ws))
-                    } else {
-                        _mm256_maddubs_epi16(wa, a)
-                    };
-                    let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-                    let xb = r * nb + b;
-                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d[xb]), p, acc[r]);
-                    macc[r] += m * x.s[xb];
-                }
+            *out.add(n) = row1(format, wrow, x, nb, bb, signed);
+            continue;
+        }
+        acc[..rows].fill([_mm256_setzero_ps(); 2]);
+        macc[..rows].fill(0.0);
+        for b in 0..nb {
+            let (q, d, m) = unpack(format, wrow.add(b * bb));
+            // Signed formats: |w| and the sign pattern are per-weight work shared by all rows.
+            let wa = if signed { _mm256_sign_epi8(q, q) } else { q };
+            let chain = b & 1;
+            for r in 0..rows {
+                let a = _mm256_loadu_si256(xq.add(r * x.k + b * QK) as *const __m256i);
+                let a = if signed { _mm256_sign_epi8(a, q) } else { a };
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, a), _mm256_set1_epi16(1));
+                let xb = r * nb + b;
+                let acc = &mut acc[r][chain];
+                *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d[xb]), _mm256_cvtepi32_ps(p), *acc);
+                macc[r] += m * x.s[xb];
             }
         }
         for r in 0..rows {
-            *out.add(r * ldo + n) = hsum(acc[r]) + macc[r];
+            *out.add(r * ldo + n) = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + macc[r];
         }
     }
+}
+
+/// The batch-of-one case of `matmul_range`, same arithmetic in the same order, with the
+/// accumulators in registers.
+#[inline(always)]
+unsafe fn row1(format: QuantFormat, wrow: *const u8, x: &Q8Rows, nb: usize, bb: usize, signed: bool) -> f32 {
+    let xq = x.qs.as_ptr();
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let mut macc = 0f32;
+    for b in 0..nb {
+        let (q, d, m) = unpack(format, wrow.add(b * bb));
+        let a = _mm256_loadu_si256(xq.add(b * QK) as *const __m256i);
+        let (wa, a) = if signed { (_mm256_sign_epi8(q, q), _mm256_sign_epi8(a, q)) } else { (q, a) };
+        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, a), _mm256_set1_epi16(1));
+        let c = b & 1;
+        acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d[b]), _mm256_cvtepi32_ps(p), acc[c]);
+        macc += m * x.s[b];
+    }
+    hsum(_mm256_add_ps(acc[0], acc[1])) + macc
 }

@@ -108,3 +108,94 @@ unsafe fn scalar_range(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+
+    const FORMATS: [GgmlDType; 5] =
+        [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1, GgmlDType::Q8_0];
+
+    fn random(rows: usize, cols: usize, seed: u64) -> Tensor {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let v: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap()
+    }
+
+    /// Reference: candle dequantizes the weights, then an f32 matmul.
+    fn reference(q: &QTensor, x: &Tensor) -> Vec<f32> {
+        let w = q.dequantize(&Device::Cpu).unwrap();
+        x.matmul(&w.t().unwrap()).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    fn ours(q: &QTensor, x: &Tensor, simd: bool) -> Vec<f32> {
+        let (n, k) = q.shape().dims2().unwrap();
+        let (m, _) = x.dims2().unwrap();
+        let data = q.data().unwrap();
+        let w = QMatrix { format: QuantFormat::from_ggml(q.dtype()).unwrap(), data: &data, n, k };
+        let mut y = vec![0f32; m * n];
+        matmul(w, &x.flatten_all().unwrap().to_vec1().unwrap(), m, &mut y, simd);
+        y
+    }
+
+    /// Activations are quantized to 8 bits, so results differ from the f32 reference by about
+    /// 1 % of the typical output magnitude; a wrong nibble order or scale is off by far more.
+    fn assert_close(got: &[f32], want: &[f32], what: &str) {
+        let rms = (want.iter().map(|v| v * v).sum::<f32>() / want.len() as f32).sqrt();
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!((g - w).abs() <= 0.02 * rms + 1e-4, "{what}: element {i}: {g} vs {w} (rms {rms})");
+        }
+    }
+
+    #[test]
+    fn every_format_matches_dequantize_then_matmul_for_batches_1_to_40() {
+        let (n, k) = (48, 256);
+        let w = random(n, k, 1);
+        for fmt in FORMATS {
+            let q = QTensor::quantize(&w, fmt).unwrap();
+            for m in [1, 2, 3, 7, 16, 32, 33, 40] {
+                let x = random(m, k, 100 + m as u64);
+                let want = reference(&q, &x);
+                assert_close(&ours(&q, &x, true), &want, &format!("{fmt:?} simd m={m}"));
+                assert_close(&ours(&q, &x, false), &want, &format!("{fmt:?} scalar m={m}"));
+            }
+        }
+    }
+
+    #[test]
+    fn simd_and_scalar_kernels_agree_to_rounding() {
+        let (n, k) = (64, 512);
+        let w = random(n, k, 2);
+        for fmt in FORMATS {
+            let q = QTensor::quantize(&w, fmt).unwrap();
+            for m in [1, 5, 32] {
+                let x = random(m, k, 7);
+                let (a, b) = (ours(&q, &x, true), ours(&q, &x, false));
+                for (u, v) in a.iter().zip(&b) {
+                    assert!((u - v).abs() <= 1e-4 * (1.0 + v.abs()), "{fmt:?} m={m}: {u} vs {v}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rows_dequantize_like_candle() {
+        let w = random(4, 96, 3);
+        for fmt in FORMATS {
+            let q = QTensor::quantize(&w, fmt).unwrap();
+            let want: Vec<f32> =
+                q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let data = q.data().unwrap();
+            let f = QuantFormat::from_ggml(fmt).unwrap();
+            let rb = 96 / QK * f.block_bytes();
+            for r in 0..4 {
+                let mut out = vec![0f32; 96];
+                dequantize_row(f, &data[r * rb..(r + 1) * rb], &mut out);
+                assert_eq!(out, want[r * 96..(r + 1) * 96], "{fmt:?} row {r}");
+            }
+        }
+    }
+}

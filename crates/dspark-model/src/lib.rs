@@ -229,6 +229,24 @@ impl Model {
         self.config.vocab_size
     }
 
+    /// The target's LM head over final-norm hidden states (`rows × hidden`); drafters share it.
+    pub fn lm_head_logits(&self, hidden: &[f32], rows: usize) -> Result<Vec<f32>> {
+        ops::linear(self.lm_head(), hidden, rows)
+    }
+
+    /// The target's token embeddings (`tokens.len() × hidden`, before any family scaling).
+    pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let e = match &self.arch {
+            Arch::Llama(m) => &m.embed,
+            Arch::Gemma3(m) => &m.embed,
+        };
+        let mut x = Vec::with_capacity(tokens.len() * self.config.hidden);
+        for &t in tokens {
+            x.extend(e.row(t as usize)?);
+        }
+        Ok(x)
+    }
+
     fn lm_head(&self) -> &QLinear {
         match &self.arch {
             Arch::Llama(m) => m.lm_head.as_ref().unwrap_or(&m.embed),

@@ -1,0 +1,82 @@
+//! Bad input gets a clear message and a non-zero exit, never a panic.
+
+mod common;
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use common::*;
+use std::io::Write;
+
+fn fails_with(args: &[&str], needle: &str) {
+    let out = dspark(args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "dspark {args:?} should fail");
+    assert!(!err.contains("panicked"), "dspark {args:?} panicked: {err}");
+    assert!(err.contains(needle), "dspark {args:?}: expected {needle:?} in: {err}");
+}
+
+#[test]
+fn missing_file() {
+    fails_with(&["generate", "--model", "/nonexistent/model.gguf", "--prompt", "hi"], "does not exist");
+}
+
+#[test]
+fn unknown_model_name_lists_the_known_ones() {
+    fails_with(&["tokenize", "--model", "llama-70b", "hi"], "known models: smollm2-135m");
+}
+
+#[test]
+fn not_a_gguf() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("notes.gguf");
+    std::fs::write(&p, "this is just text, not a model").unwrap();
+    fails_with(&["generate", "--model", p.to_str().unwrap(), "--prompt", "hi"], "not a readable GGUF");
+}
+
+#[test]
+fn truncated_gguf() {
+    let src = std::fs::read(model("smollm2-135m")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("cut.gguf");
+    std::fs::File::create(&p).unwrap().write_all(&src[..src.len() / 3]).unwrap();
+    fails_with(&["generate", "--model", p.to_str().unwrap(), "--prompt", "hi"], "truncated");
+}
+
+#[test]
+fn unsupported_architecture() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("mamba.gguf");
+    let t = QTensor::quantize(
+        &Tensor::zeros((4, 32), candle_core::DType::F32, &Device::Cpu).unwrap(),
+        GgmlDType::F32,
+    )
+    .unwrap();
+    let arch = Value::String("mamba".into());
+    let mut f = std::fs::File::create(&p).unwrap();
+    gguf_file::write(&mut f, &[("general.architecture", &arch)], &[("token_embd.weight", &t)]).unwrap();
+    drop(f);
+    fails_with(&["generate", "--model", p.to_str().unwrap(), "--prompt", "hi"], "architecture `mamba`");
+}
+
+#[test]
+fn prompt_longer_than_the_context() {
+    let path = model("smollm2-135m");
+    let long = "word ".repeat(9000);
+    fails_with(
+        &["generate", "--model", path.to_str().unwrap(), "--raw", "--prompt", &long, "--max-tokens", "4"],
+        "context is 8192",
+    );
+}
+
+#[test]
+fn bad_sampling_parameters() {
+    let path = model("smollm2-135m");
+    let p = path.to_str().unwrap();
+    fails_with(&["generate", "--model", p, "--prompt", "hi", "--temperature=-1"], "temperature");
+    fails_with(
+        &["generate", "--model", p, "--prompt", "hi", "--temperature", "1", "--top-p", "1.5"],
+        "top-p",
+    );
+    fails_with(&["generate", "--model", p, "--prompt", "hi", "--max-tokens", "0"], "--max-tokens");
+}
