@@ -1,7 +1,7 @@
 //! `dspark bench …`: figures printed side by side, measured in one run.
 
 use crate::ModelArg;
-use anyhow::Result;
+use anyhow::{bail, Context, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use clap::Subcommand;
@@ -26,6 +26,20 @@ pub enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Decode tokens/s over a set of prompts (greedy, chat template), the figure to compare with
+    /// llama.cpp (`scripts/peer_llamacpp.py`) on the same GGUF and thread count.
+    Decode {
+        #[command(flatten)]
+        model: ModelArg,
+        /// JSONL with a `prompt` (or `question`/`problem`/`text`) field; built-in prompts if absent.
+        #[arg(long)]
+        prompts: Option<std::path::PathBuf>,
+        /// Prompts to run (after one warm-up prompt).
+        #[arg(long, default_value_t = 4)]
+        n: usize,
+        #[arg(long, default_value_t = 128)]
+        max_tokens: usize,
+    },
     /// Quantized matmul throughput, dspark's kernels against candle's, on random weights.
     Kernels {
         /// Timed repetitions per case.
@@ -38,6 +52,9 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
     match cmd {
         BenchCmd::Forward { model, context, reps, json } => forward(&model, context, reps, json),
         BenchCmd::Kernels { reps } => kernels(reps),
+        BenchCmd::Decode { model, prompts, n, max_tokens } => {
+            decode(&model, prompts.as_deref(), n, max_tokens)
+        }
     }
 }
 
@@ -106,7 +123,7 @@ fn kernels(reps: usize) -> Result<()> {
             let q = QTensor::quantize(&w, fmt)?;
             let ours = QLinear::from_qtensor(QTensor::quantize(&w, fmt)?, KernelChoice::Ours)?;
             let theirs = QLinear::from_qtensor(q, KernelChoice::Candle)?;
-            for &b in &[1usize, 16] {
+            for &b in &[1usize, 2, 4, 16] {
                 let x = Tensor::randn(0f32, 1.0, (b, k), &Device::Cpu)?;
                 let time = |l: &QLinear| -> Result<f64> {
                     l.forward(&x)?;
@@ -132,5 +149,70 @@ fn kernels(reps: usize) -> Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+const DEFAULT_PROMPTS: [&str; 5] = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain in three sentences why the sky is blue.",
+    "List five prime numbers and explain what makes them prime.",
+    "Write a haiku about the sea.",
+    "Describe how a hash map works, with a short example in Rust.",
+];
+
+/// Prompts from a JSONL file: the first of `prompt`, `question`, `problem`, `text` in each line.
+pub fn read_prompts(path: &std::path::Path, n: usize) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("{} line {}: not JSON", path.display(), i + 1))?;
+        let p =
+            ["prompt", "question", "problem", "text"].iter().find_map(|k| v.get(*k).and_then(|x| x.as_str()));
+        match p {
+            Some(p) => out.push(p.to_string()),
+            None => bail!("{} line {}: no `prompt` field", path.display(), i + 1),
+        }
+        if out.len() == n {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+fn decode(m: &ModelArg, prompts: Option<&std::path::Path>, n: usize, max_tokens: usize) -> Result<()> {
+    let model = m.load()?;
+    let texts: Vec<String> = match prompts {
+        Some(p) => read_prompts(p, n + 1)?,
+        None => DEFAULT_PROMPTS.iter().take(n + 1).map(|s| s.to_string()).collect(),
+    };
+    let params = dspark_decode::GenerateParams {
+        max_tokens,
+        sampling: Default::default(),
+        seed: 0,
+        stop_tokens: model.tokenizer.eos().to_vec(),
+    };
+    let (mut passes, mut secs, mut generated) = (0f64, 0f64, 0usize);
+    for (i, text) in texts.iter().enumerate() {
+        let prompt = crate::prompt_tokens(&model, text, false)?;
+        let g = dspark_decode::generate(&model, &prompt, &params, |_| {})?;
+        if i == 0 {
+            continue; // warm-up
+        }
+        passes += g.stats.decode_tok_s * g.stats.decode_s;
+        secs += g.stats.decode_s;
+        generated += g.stats.generated_tokens;
+    }
+    println!(
+        "{}",
+        serde_json::json!({
+            "engine": "dspark",
+            "model": m.model,
+            "threads": rayon_threads(),
+            "prompts": texts.len().saturating_sub(1),
+            "generated_tokens": generated,
+            "decode_tok_s": passes / secs.max(1e-9),
+        })
+    );
     Ok(())
 }

@@ -151,13 +151,26 @@ pub fn resolve(arg: &str, progress: bool) -> Result<PathBuf> {
 
 /// Installs a model if it is not already in the cache; returns its path.
 pub fn fetch(spec: &ModelSpec, progress: bool) -> Result<PathBuf> {
-    let dest = model_path(spec);
+    fetch_into(&home(), spec, progress)
+}
+
+/// [`fetch`] into the cache rooted at `home`.
+pub fn fetch_into(home: &Path, spec: &ModelSpec, progress: bool) -> Result<PathBuf> {
+    let dest = home.join("models").join(spec.file_name);
     if dest.exists() {
         return Ok(dest);
     }
     let dir = dest.parent().expect("model path has a parent");
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
-    let wheels = home().join("wheels");
+    // Several processes (parallel tests, a server and a CLI) may ask for the same model at once:
+    // one fetches, the others wait and then find it installed.
+    let lock_path = dir.join(format!(".{}.lock", spec.file_name));
+    let lock = File::create(&lock_path).map_err(|e| io(&lock_path, e))?;
+    lock.lock().map_err(|e| io(&lock_path, e))?;
+    if dest.exists() {
+        return Ok(dest);
+    }
+    let wheels = home.join("wheels");
     std::fs::create_dir_all(&wheels).map_err(|e| io(&wheels, e))?;
     let bar = progress.then(|| {
         let b = indicatif::ProgressBar::new(spec.parts.len() as u64);
@@ -292,6 +305,52 @@ mod tests {
     fn unknown_model_names_the_known_ones() {
         let e = find("gpt-5").err().unwrap().to_string();
         assert!(e.contains("smollm2-135m") && e.contains("gpt-5"), "{e}");
+    }
+
+    /// A two-chunk model whose wheels are already in the cache (no pip needed).
+    fn fake_model(home: &Path, chunks: &[&[u8]], sha: &'static str) -> ModelSpec {
+        use std::io::Write;
+        let wheels = home.join("wheels");
+        std::fs::create_dir_all(&wheels).unwrap();
+        let parts: Vec<Part> = (1..=chunks.len())
+            .map(|i| Part {
+                package: format!("fake-part{i}"),
+                version: "1.0",
+                inner: format!("fake_part{i}/data/{i}.bin"),
+            })
+            .collect();
+        for (p, c) in parts.iter().zip(chunks) {
+            let f = File::create(wheels.join(wheel_name(p))).unwrap();
+            let mut z = zip::ZipWriter::new(f);
+            z.start_file(p.inner.as_str(), zip::write::SimpleFileOptions::default()).unwrap();
+            z.write_all(c).unwrap();
+            z.finish().unwrap();
+        }
+        ModelSpec { name: "fake", description: "", file_name: "fake.gguf", sha256: sha, size_mb: 0, parts }
+    }
+
+    #[test]
+    fn chunks_are_joined_in_order_checked_and_renamed_into_place() {
+        let home = tempfile::tempdir().unwrap();
+        // sha256 of "hello world"
+        let sha = "b94d27b9934d3e08a52e52d7da7dabfac484efe37a5380ee9088f7ace2efcde9";
+        let spec = fake_model(home.path(), &[b"hello ", b"world"], sha);
+        // A crashed earlier run left a partial file behind: it must be replaced, not appended to.
+        std::fs::create_dir_all(home.path().join("models")).unwrap();
+        std::fs::write(home.path().join("models/.fake.gguf.partial"), b"garbage").unwrap();
+        let path = fetch_into(home.path(), &spec, false).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"hello world");
+        assert!(!home.path().join("models/.fake.gguf.partial").exists());
+    }
+
+    #[test]
+    fn a_checksum_mismatch_leaves_nothing_installed() {
+        let home = tempfile::tempdir().unwrap();
+        let spec = fake_model(home.path(), &[b"world ", b"hello"], "b94d27b9934d3e08");
+        let err = fetch_into(home.path(), &spec, false).err().unwrap();
+        assert!(matches!(err, HubError::Checksum { .. }), "{err}");
+        assert!(!home.path().join("models/fake.gguf").exists());
+        assert!(!home.path().join("models/.fake.gguf.partial").exists());
     }
 
     #[test]

@@ -82,6 +82,7 @@ pub unsafe fn matmul_range(
     let mut acc = [[_mm256_setzero_ps(); 2]; MAX_ROWS];
     let mut macc = [0f32; MAX_ROWS];
     let xq = x.qs.as_ptr();
+    let one = _mm256_set1_epi16(1);
     for n in n0..n1 {
         let wrow = w.as_ptr().add(n * row_bytes);
         if rows == 1 {
@@ -95,14 +96,15 @@ pub unsafe fn matmul_range(
             // Signed formats: |w| and the sign pattern are per-weight work shared by all rows.
             let wa = if signed { _mm256_sign_epi8(q, q) } else { q };
             let chain = b & 1;
+            let (xd, xs) = (x.d.as_ptr(), x.s.as_ptr());
             for r in 0..rows {
                 let a = _mm256_loadu_si256(xq.add(r * x.k + b * QK) as *const __m256i);
                 let a = if signed { _mm256_sign_epi8(a, q) } else { a };
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, a), _mm256_set1_epi16(1));
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, a), one);
                 let xb = r * nb + b;
-                let acc = &mut acc[r][chain];
-                *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d[xb]), _mm256_cvtepi32_ps(p), *acc);
-                macc[r] += m * x.s[xb];
+                let acc = acc.get_unchecked_mut(r).get_unchecked_mut(chain);
+                *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * *xd.add(xb)), _mm256_cvtepi32_ps(p), *acc);
+                *macc.get_unchecked_mut(r) += m * *xs.add(xb);
             }
         }
         for r in 0..rows {

@@ -118,24 +118,41 @@ pub struct Q8Rows {
 
 impl Q8Rows {
     pub fn quantize(x: &[f32], rows: usize, k: usize) -> Self {
+        use rayon::prelude::*;
         debug_assert_eq!(x.len(), rows * k);
         let nb = rows * k / QK;
         let mut qs = vec![0i8; rows * k];
         let mut d = vec![0f32; nb];
         let mut s = vec![0f32; nb];
-        for (b, (xb, qb)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
-            let amax = xb.iter().fold(0f32, |a, &v| a.max(v.abs()));
-            let db = amax / 127.0;
-            let id = if db > 0.0 { 1.0 / db } else { 0.0 };
-            let mut sum = 0i32;
-            for (q, &v) in qb.iter_mut().zip(xb) {
-                let r = (v * id).round() as i32;
-                *q = r as i8;
-                sum += r;
-            }
-            d[b] = db;
-            s[b] = db * sum as f32;
-        }
+        // Blocks are independent; large batches quantize on all threads.
+        let per_task = if rows >= 4 { k } else { rows * k };
+        x.par_chunks(per_task)
+            .zip(qs.par_chunks_mut(per_task))
+            .zip(d.par_chunks_mut(per_task / QK).zip(s.par_chunks_mut(per_task / QK)))
+            .for_each(|((x, q), (d, s))| quantize_blocks(x, q, d, s));
         Self { rows, k, qs, d, s }
+    }
+}
+
+fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+    for (b, (xb, qb)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
+        // Lane-wise maxima so that the loop vectorises.
+        let mut m = [0f32; 8];
+        for c in xb.chunks_exact(8) {
+            for l in 0..8 {
+                m[l] = m[l].max(c[l].abs());
+            }
+        }
+        let amax = m.iter().fold(0f32, |a, &v| a.max(v));
+        let db = amax / 127.0;
+        let id = if db > 0.0 { 1.0 / db } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in qb.iter_mut().zip(xb) {
+            let r = (v * id).round_ties_even() as i32;
+            *q = r as i8;
+            sum += r;
+        }
+        d[b] = db;
+        s[b] = db * sum as f32;
     }
 }
