@@ -20,6 +20,7 @@ DEFAULT_PROMPTS = [
     "Explain in three sentences why the sky is blue.",
     "List five prime numbers and explain what makes them prime.",
     "Write a haiku about the sea.",
+    "Describe how a hash map works, with a short example in Rust.",
 ]
 
 
@@ -40,7 +41,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts")
-    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--n", type=int, default=4, help="measured prompts (one more runs as warm-up)")
     ap.add_argument("--draft")
     ap.add_argument("--draft-max", type=int, default=8)
     a = ap.parse_args()
@@ -61,7 +62,7 @@ def main():
         p.speculative.draft.cpuparams.n_threads = a.threads
         p.speculative.draft.cpuparams_batch.n_threads = a.threads
     server = xl.Server(p)
-    prompts = prompts_from(a.prompts, a.n) if a.prompts else DEFAULT_PROMPTS[: a.n]
+    prompts = prompts_from(a.prompts, a.n + 1) if a.prompts else DEFAULT_PROMPTS[: a.n + 1]
     speeds, tokens = [], 0
     for i, text in enumerate(prompts):
         req = {
