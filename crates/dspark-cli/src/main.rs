@@ -6,8 +6,10 @@ mod bench;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use dspark_decode::{generate, GenerateParams};
+use dspark_drafters::{DraftModel, NgramDrafter};
 use dspark_model::Model;
 use dspark_sampling::SamplingParams;
+use dspark_spec::{generate_spec, Drafter, SpecParams};
 use dspark_tokenizer::StreamDecoder;
 use std::io::Write;
 use std::path::PathBuf;
@@ -100,6 +102,39 @@ struct GenerateArgs {
     /// Print one JSON object with the text, tokens and timing instead of streaming.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    spec: DrafterArgs,
+}
+
+#[derive(Args, Clone)]
+pub struct DrafterArgs {
+    /// Speculative drafter: `none` (plain decoding), `ngram` (prompt lookup) or
+    /// `draft:MODEL` (a small model with the same tokenizer, e.g. draft:qwen2.5-coder-0.5b).
+    /// The output is the same as plain decoding either way.
+    #[arg(long, default_value = "none")]
+    pub drafter: String,
+    /// γ: the most tokens drafted per round.
+    #[arg(long, default_value_t = 5)]
+    pub draft_len: usize,
+}
+
+impl DrafterArgs {
+    /// `None` for plain decoding.
+    pub fn build(&self, target: &Model) -> Result<Option<Box<dyn Drafter>>> {
+        if self.draft_len == 0 {
+            bail!("--draft-len must be at least 1; use --drafter none for plain decoding");
+        }
+        Ok(match self.drafter.as_str() {
+            "none" => None,
+            "ngram" => Some(Box::new(NgramDrafter::default())),
+            s if s.starts_with("draft:") => {
+                let name = &s["draft:".len()..];
+                let model = ModelArg { model: name.to_string() }.load()?;
+                Some(Box::new(DraftModel::new(model, name, target)?))
+            }
+            other => bail!("unknown drafter `{other}`; use none, ngram or draft:MODEL"),
+        })
+    }
 }
 
 pub fn prompt_tokens(model: &Model, text: &str, raw: bool) -> Result<Vec<u32>> {
@@ -121,33 +156,58 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         seed: a.seed,
         stop_tokens: model.tokenizer.eos().to_vec(),
     };
+    let drafter = a.spec.build(&model)?;
     let mut stream = StreamDecoder::new(&model.tokenizer);
     let mut stdout = std::io::stdout();
-    let gen = generate(&model, &prompt, &params, |t| {
+    let mut emit = |t: u32| {
         if !a.json {
             if let Ok(Some(piece)) = stream.push(t) {
                 let _ = write!(stdout, "{piece}");
                 let _ = stdout.flush();
             }
         }
-    })?;
-    let text = model.tokenizer.decode(&gen.tokens)?;
+    };
+    let (tokens, finish, stats) = match drafter {
+        None => {
+            let g = generate(&model, &prompt, &params, &mut emit)?;
+            (g.tokens, g.finish, serde_json::to_value(&g.stats)?)
+        }
+        Some(mut d) => {
+            let sp = SpecParams {
+                max_tokens: params.max_tokens,
+                draft_len: a.spec.draft_len,
+                sampling: params.sampling,
+                seed: params.seed,
+                stop_tokens: params.stop_tokens.clone(),
+            };
+            let r = generate_spec(&model, d.as_mut(), &prompt, &sp, &mut emit)?;
+            (r.tokens, r.finish, r.stats.to_json())
+        }
+    };
+    let text = model.tokenizer.decode(&tokens)?;
     if a.json {
         let out = serde_json::json!({
             "text": text,
-            "tokens": gen.tokens,
+            "tokens": tokens,
             "prompt_tokens": prompt,
-            "finish_reason": gen.finish,
-            "stats": gen.stats,
+            "finish_reason": finish,
+            "stats": stats,
         });
         println!("{out}");
     } else {
         println!();
-        let s = &gen.stats;
-        eprintln!(
-            "[{} prompt tokens in {:.2}s, {} generated, {:.1} tok/s decode]",
-            s.prompt_tokens, s.prefill_s, s.generated_tokens, s.decode_tok_s
+        let s = &stats;
+        let mut line = format!(
+            "[{} prompt tokens in {:.2}s, {} generated, {:.1} tok/s decode",
+            s["prompt_tokens"],
+            s["prefill_s"].as_f64().unwrap_or(0.0),
+            s["generated_tokens"],
+            s["decode_tok_s"].as_f64().unwrap_or(0.0)
         );
+        if let Some(tau) = s.get("tau").and_then(|t| t.as_f64()) {
+            line += &format!(", τ {tau:.2}");
+        }
+        eprintln!("{line}]");
     }
     Ok(())
 }

@@ -58,35 +58,52 @@ impl SamplingParams {
             return p;
         }
         let t = self.temperature as f64;
-        let mut idx: Vec<usize> = (0..logits.len()).collect();
+        let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+        let weight = |i: usize| ((logits[i] as f64 - max) / t).exp();
+        if self.top_k.is_none_or(|k| k >= logits.len()) && self.top_p.is_none_or(|q| q >= 1.0) {
+            let w: Vec<f64> = (0..logits.len()).map(weight).collect();
+            let z: f64 = w.iter().sum();
+            return w.into_iter().map(|x| x / z).collect();
+        }
         // Ties broken by token id so that the kept set never depends on sort stability.
         let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
-        let keep = match self.top_k {
-            Some(k) if k < logits.len() => {
-                idx.select_nth_unstable_by(k - 1, by_logit);
-                idx.truncate(k);
-                k
+        let mut idx: Vec<usize> = (0..logits.len()).collect();
+        let k = self.top_k.unwrap_or(logits.len()).min(logits.len());
+        if k < idx.len() {
+            idx.select_nth_unstable_by(k - 1, by_logit);
+            idx.truncate(k);
+        }
+        // The top-k set's mass normalises top-p, as in plain sampling; only the head that top-p
+        // keeps needs sorting, so sort a growing prefix until its mass reaches p.
+        let total: f64 = idx.iter().map(|&i| weight(i)).sum();
+        let keep = match self.top_p {
+            None => {
+                idx.sort_unstable_by(by_logit);
+                idx.len()
             }
-            _ => logits.len(),
-        };
-        idx.sort_unstable_by(by_logit);
-        let max = logits[idx[0]] as f64;
-        let mut w: Vec<f64> = idx.iter().map(|&i| ((logits[i] as f64 - max) / t).exp()).collect();
-        let total: f64 = w.iter().sum();
-        let mut n = keep;
-        if let Some(top_p) = self.top_p {
-            let mut cum = 0.0;
-            for (j, wi) in w.iter().enumerate() {
-                cum += wi / total;
-                if cum >= top_p as f64 {
-                    n = j + 1;
-                    break;
+            Some(top_p) => {
+                let mut m = 64.min(idx.len());
+                loop {
+                    if m < idx.len() {
+                        idx.select_nth_unstable_by(m - 1, by_logit);
+                    }
+                    idx[..m].sort_unstable_by(by_logit);
+                    let mut cum = 0.0;
+                    let cut = idx[..m].iter().position(|&i| {
+                        cum += weight(i) / total;
+                        cum >= top_p as f64
+                    });
+                    match cut {
+                        Some(c) => break c + 1,
+                        None if m == idx.len() => break m,
+                        None => m = (m * 4).min(idx.len()),
+                    }
                 }
             }
-        }
-        w.truncate(n);
+        };
+        let w: Vec<f64> = idx[..keep].iter().map(|&i| weight(i)).collect();
         let z: f64 = w.iter().sum();
-        for (&i, wi) in idx.iter().zip(&w) {
+        for (&i, wi) in idx[..keep].iter().zip(&w) {
             p[i] = wi / z;
         }
         p
@@ -175,6 +192,54 @@ mod tests {
         let s = SamplingParams { temperature: 1.0, top_k: None, top_p: Some(0.65) };
         let p = s.distribution(&logits);
         assert!((p[3] - 4.0 / 7.0).abs() < 1e-6 && p[1] == 0.0, "{p:?}");
+    }
+
+    /// The straightforward definition: sort everything, cut at k, then at p.
+    fn naive(logits: &[f32], s: &SamplingParams) -> Vec<f64> {
+        let mut idx: Vec<usize> = (0..logits.len()).collect();
+        idx.sort_by(|a, b| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b)));
+        idx.truncate(s.top_k.unwrap_or(idx.len()));
+        let t = s.temperature as f64;
+        let w: Vec<f64> = idx.iter().map(|&i| (logits[i] as f64 / t).exp()).collect();
+        let total: f64 = w.iter().sum();
+        let mut keep = w.len();
+        if let Some(q) = s.top_p {
+            let mut cum = 0.0;
+            keep = w
+                .iter()
+                .position(|x| {
+                    cum += x / total;
+                    cum >= q as f64
+                })
+                .map_or(w.len(), |c| c + 1);
+        }
+        let z: f64 = w[..keep].iter().sum();
+        let mut p = vec![0.0; logits.len()];
+        for (&i, x) in idx[..keep].iter().zip(&w) {
+            p[i] = x / z;
+        }
+        p
+    }
+
+    #[test]
+    fn partial_sorting_keeps_exactly_the_naive_set() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for trial in 0..60 {
+            let v = [10, 300, 5000][trial % 3];
+            // Some ties, some spread.
+            let logits: Vec<f32> =
+                (0..v).map(|_| (rng.random_range(-8.0f32..8.0) * 4.0).round() / 4.0).collect();
+            let s = SamplingParams {
+                temperature: [0.3, 1.0, 1.7][trial % 3],
+                top_k: [None, Some(1), Some(7), Some(500)][trial % 4],
+                top_p: [None, Some(0.05), Some(0.5), Some(0.95), Some(1.0)][trial % 5],
+            };
+            let (a, b) = (s.distribution(&logits), naive(&logits, &s));
+            for (x, y) in a.iter().zip(&b) {
+                assert!((x - y).abs() < 1e-9, "trial {trial} {s:?}");
+            }
+        }
     }
 
     #[test]

@@ -1,0 +1,88 @@
+//! The drafter interface: every drafting method (n-gram lookup, a draft LLM, DFlash/DSpark,
+//! EAGLE-3) is one implementation. Verification sees only what is in a [`Proposal`].
+
+use dspark_model::{ModelError, TapSpec};
+use dspark_sampling::SamplingParams;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DraftError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("{0}")]
+    Incompatible(String),
+}
+
+pub type DraftResult<T> = std::result::Result<T, DraftError>;
+
+/// How a draft token was chosen, exactly: verification needs `p_d(x)` and, on rejection, the
+/// whole `p_d` for the residual distribution.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DraftDist {
+    /// Chosen deterministically: `p_d` is one-hot on the token.
+    OneHot,
+    /// Sampled from this distribution over the full target vocabulary (after every adjustment
+    /// and temperature the drafter applied).
+    Dense(Vec<f64>),
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Proposal {
+    pub tokens: Vec<u32>,
+    /// One entry per token.
+    pub dists: Vec<DraftDist>,
+    /// Predicted probability that each token survives verification, when the drafter has one.
+    pub confidence: Option<Vec<f32>>,
+}
+
+impl Proposal {
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// Keeps the first `n` tokens (a scheduler verifying a prefix only).
+    pub fn truncate(&mut self, n: usize) {
+        self.tokens.truncate(n);
+        self.dists.truncate(n);
+        if let Some(c) = &mut self.confidence {
+            c.truncate(n);
+        }
+    }
+}
+
+/// The target's hidden states for committed tokens, computed by the verify pass anyway.
+#[derive(Debug, Clone, Default)]
+pub struct TargetFeatures {
+    pub rows: usize,
+    /// Per layer of [`Drafter::taps`]: `rows × hidden`.
+    pub taps: Vec<Vec<f32>>,
+    /// Final-norm output, `rows × hidden`, when asked for.
+    pub final_norm: Option<Vec<f32>>,
+}
+
+pub trait Drafter {
+    /// A short name for statistics and messages.
+    fn name(&self) -> String;
+
+    /// Which target hidden states the drafter needs; none by default.
+    fn taps(&self) -> TapSpec {
+        TapSpec::default()
+    }
+
+    /// Starts a sequence. `prompt` is committed; `features` covers its rows except the last
+    /// (which becomes the first verify block's anchor). `seed` makes sampled drafts repeatable.
+    fn begin(&mut self, prompt: &[u32], features: &TargetFeatures, seed: u64) -> DraftResult<()>;
+
+    /// Proposes up to `max_len` tokens to follow `context` (every committed token; its last one
+    /// is the anchor). Drafts follow `params` (greedy when its temperature is 0).
+    fn propose(&mut self, context: &[u32], max_len: usize, params: &SamplingParams) -> DraftResult<Proposal>;
+
+    /// After verification: `context` is the committed sequence now, of which the last token is
+    /// the new anchor; `accepted` of the proposal's tokens were kept; `features` covers the
+    /// tokens that entered the target's cache this round (the old anchor and the accepted
+    /// drafts). Drafters roll back their own state here.
+    fn observe(&mut self, context: &[u32], accepted: usize, features: &TargetFeatures) -> DraftResult<()>;
+}
