@@ -39,6 +39,9 @@ pub enum BenchCmd {
         n: usize,
         #[arg(long, default_value_t = 128)]
         max_tokens: usize,
+        /// Also run speculative decoding with this drafter on the same prompts, side by side.
+        #[command(flatten)]
+        spec: crate::DrafterArgs,
     },
     /// Quantized matmul throughput, dspark's kernels against candle's, on random weights.
     Kernels {
@@ -52,8 +55,8 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
     match cmd {
         BenchCmd::Forward { model, context, reps, json } => forward(&model, context, reps, json),
         BenchCmd::Kernels { reps } => kernels(reps),
-        BenchCmd::Decode { model, prompts, n, max_tokens } => {
-            decode(&model, prompts.as_deref(), n, max_tokens)
+        BenchCmd::Decode { model, prompts, n, max_tokens, spec } => {
+            decode(&model, prompts.as_deref(), n, max_tokens, &spec)
         }
     }
 }
@@ -180,8 +183,15 @@ pub fn read_prompts(path: &std::path::Path, n: usize) -> Result<Vec<String>> {
     Ok(out)
 }
 
-fn decode(m: &ModelArg, prompts: Option<&std::path::Path>, n: usize, max_tokens: usize) -> Result<()> {
+fn decode(
+    m: &ModelArg,
+    prompts: Option<&std::path::Path>,
+    n: usize,
+    max_tokens: usize,
+    spec: &crate::DrafterArgs,
+) -> Result<()> {
     let model = m.load()?;
+    let mut drafter = spec.build(&model)?;
     let texts: Vec<String> = match prompts {
         Some(p) => read_prompts(p, n + 1)?,
         None => DEFAULT_PROMPTS.iter().take(n + 1).map(|s| s.to_string()).collect(),
@@ -192,27 +202,68 @@ fn decode(m: &ModelArg, prompts: Option<&std::path::Path>, n: usize, max_tokens:
         seed: 0,
         stop_tokens: model.tokenizer.eos().to_vec(),
     };
-    let (mut passes, mut secs, mut generated) = (0f64, 0f64, 0usize);
+    let sp = dspark_spec::SpecParams {
+        max_tokens,
+        draft_len: spec.draft_len,
+        sampling: Default::default(),
+        seed: 0,
+        stop_tokens: params.stop_tokens.clone(),
+    };
+    let (mut plain_tokens, mut plain_s) = (0usize, 0f64);
+    let mut stats = dspark_spec::SpecStats::default();
     for (i, text) in texts.iter().enumerate() {
         let prompt = crate::prompt_tokens(&model, text, false)?;
+        // Plain and speculative alternate prompt by prompt so that machine noise hits both.
         let g = dspark_decode::generate(&model, &prompt, &params, |_| {})?;
+        let s = match drafter.as_mut() {
+            Some(d) => Some(dspark_spec::generate_spec(&model, d.as_mut(), &prompt, &sp, |_| {})?),
+            None => None,
+        };
+        if let Some(s) = &s {
+            if s.tokens != g.tokens {
+                bail!("prompt {i}: speculative output differs from plain greedy output — a losslessness bug");
+            }
+        }
         if i == 0 {
             continue; // warm-up
         }
-        passes += g.stats.decode_tok_s * g.stats.decode_s;
-        secs += g.stats.decode_s;
-        generated += g.stats.generated_tokens;
+        // Every generated token over the whole decode phase, prefill excluded, for both.
+        plain_tokens += g.stats.generated_tokens.saturating_sub(1);
+        plain_s += g.stats.decode_s;
+        if let Some(s) = s {
+            let mut st = s.stats;
+            st.generated_tokens = st.generated_tokens.saturating_sub(1);
+            stats.merge(&st);
+        }
     }
-    println!(
-        "{}",
-        serde_json::json!({
-            "engine": "dspark",
-            "model": m.model,
-            "threads": rayon_threads(),
-            "prompts": texts.len().saturating_sub(1),
-            "generated_tokens": generated,
-            "decode_tok_s": passes / secs.max(1e-9),
-        })
-    );
+    let plain_tok_s = plain_tokens as f64 / plain_s.max(1e-9);
+    let mut out = serde_json::json!({
+        "engine": "dspark",
+        "model": m.model,
+        "threads": rayon_threads(),
+        "prompts": texts.len().saturating_sub(1),
+        "max_tokens": max_tokens,
+        "plain_tok_s": plain_tok_s,
+        "decode_tok_s": plain_tok_s,
+    });
+    if let Some(d) = &drafter {
+        let spec_tok_s = stats.decode_tok_s();
+        out["drafter"] = d.name().into();
+        out["draft_len"] = spec.draft_len.into();
+        out["spec_tok_s"] = spec_tok_s.into();
+        out["speedup"] = (spec_tok_s / plain_tok_s).into();
+        out["tau"] = stats.tau().into();
+        out["accept_at"] = stats.accept_at().into();
+        out["draft_s"] = stats.draft_s.into();
+        out["verify_s"] = stats.verify_s.into();
+        eprintln!(
+            "plain {plain_tok_s:.1} tok/s | {} γ={} {spec_tok_s:.1} tok/s ({:.2}×), τ {:.2}",
+            d.name(),
+            spec.draft_len,
+            spec_tok_s / plain_tok_s,
+            stats.tau()
+        );
+    }
+    println!("{out}");
     Ok(())
 }

@@ -10,9 +10,11 @@ pub struct NgramDrafter {
     pub min_n: usize,
 }
 
+/// A 1-token match predicts poorly and a verify block costs more than a decode step, so by
+/// default a bigram must match before anything is proposed.
 impl Default for NgramDrafter {
     fn default() -> Self {
-        Self { max_n: 3, min_n: 1 }
+        Self { max_n: 4, min_n: 2 }
     }
 }
 
@@ -68,7 +70,7 @@ mod tests {
 
     #[test]
     fn proposes_what_followed_the_latest_match_of_the_longest_suffix() {
-        let mut d = NgramDrafter::default();
+        let mut d = NgramDrafter { max_n: 3, min_n: 1 };
         let p = SamplingParams::default();
         // "1 2 3 4 9 | 1 2 3 5 6 | 1 2 3" → latest match of "1 2 3" is followed by "5 6 1 2 3".
         let ctx = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3];

@@ -107,30 +107,40 @@ pub fn dequantize_row(format: QuantFormat, row: &[u8], out: &mut [f32]) {
 }
 
 /// Activations quantized to 8 bits per 32-block, the partner of every weight format here.
-/// `s[b] = d[b]·Σq` lets the offset term of the "_1" formats cost one multiply per block.
+/// Rows are padded with zero blocks to `nbp` blocks (a multiple of 8) to match the packed
+/// weights. `s[b] = d[b]·Σq` lets the offset term of the "_1" formats cost one multiply per block.
 pub struct Q8Rows {
     pub rows: usize,
     pub k: usize,
+    /// Padded blocks per row.
+    pub nbp: usize,
+    /// `rows × nbp × 32`.
     pub qs: Vec<i8>,
+    /// `rows × nbp`.
     pub d: Vec<f32>,
     pub s: Vec<f32>,
 }
 
 impl Q8Rows {
-    pub fn quantize(x: &[f32], rows: usize, k: usize) -> Self {
+    pub fn quantize(x: &[f32], rows: usize, k: usize, nbp: usize) -> Self {
         use rayon::prelude::*;
         debug_assert_eq!(x.len(), rows * k);
-        let nb = rows * k / QK;
-        let mut qs = vec![0i8; rows * k];
-        let mut d = vec![0f32; nb];
-        let mut s = vec![0f32; nb];
-        // Blocks are independent; large batches quantize on all threads.
-        let per_task = if rows >= 4 { k } else { rows * k };
-        x.par_chunks(per_task)
-            .zip(qs.par_chunks_mut(per_task))
-            .zip(d.par_chunks_mut(per_task / QK).zip(s.par_chunks_mut(per_task / QK)))
-            .for_each(|((x, q), (d, s))| quantize_blocks(x, q, d, s));
-        Self { rows, k, qs, d, s }
+        debug_assert!(nbp * QK >= k);
+        let kp = nbp * QK;
+        let mut qs = vec![0i8; rows * kp];
+        let mut d = vec![0f32; rows * nbp];
+        let mut s = vec![0f32; rows * nbp];
+        let work =
+            |((x, q), (d, s)): ((&[f32], &mut [i8]), (&mut [f32], &mut [f32]))| quantize_blocks(x, q, d, s);
+        // Rows are independent; batches quantize on all threads.
+        let parts =
+            x.par_chunks(k).zip(qs.par_chunks_mut(kp)).zip(d.par_chunks_mut(nbp).zip(s.par_chunks_mut(nbp)));
+        if rows >= 4 {
+            parts.for_each(work);
+        } else {
+            x.chunks(k).zip(qs.chunks_mut(kp)).zip(d.chunks_mut(nbp).zip(s.chunks_mut(nbp))).for_each(work);
+        }
+        Self { rows, k, nbp, qs, d, s }
     }
 }
 

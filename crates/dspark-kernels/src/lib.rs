@@ -8,9 +8,11 @@
 mod avx2;
 mod format;
 mod linear;
+mod packed;
 
 pub use format::{decode_block, dequantize_row, Q8Rows, QuantFormat, QK};
 pub use linear::{KernelChoice, QLinear};
+pub use packed::PackedMatrix;
 
 use rayon::prelude::*;
 
@@ -20,7 +22,9 @@ pub const MAX_BATCH_ROWS: usize = 32;
 pub fn avx2_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -33,27 +37,16 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
-/// Borrowed quantized weights: `n` rows of `k` values, row-major blocks of `format`.
-#[derive(Clone, Copy)]
-pub struct QMatrix<'a> {
-    pub format: QuantFormat,
-    pub data: &'a [u8],
-    pub n: usize,
-    pub k: usize,
-}
-
-/// `y[m][n] = Σ_k x[m][k]·W[n][k]`. `x` is `m × k` row-major, `y` is `m × n` row-major;
-/// `k` must be a multiple of 32. `simd = false` forces the portable kernel.
-pub fn matmul(w: QMatrix, x: &[f32], m: usize, y: &mut [f32], simd: bool) {
-    let QMatrix { format, data: w, n, k } = w;
-    assert_eq!(k % QK, 0, "k must be a multiple of {QK}");
-    assert_eq!(w.len(), n * k / QK * format.block_bytes(), "weight bytes do not match n × k");
+/// `y[m][n] = Σ_k x[m][k]·W[n][k]`. `x` is `m × k` row-major, `y` is `m × n` row-major.
+/// `simd = false` forces the portable kernel.
+pub fn matmul(w: &PackedMatrix, x: &[f32], m: usize, y: &mut [f32], simd: bool) {
+    let (n, k) = (w.n, w.k);
     assert_eq!(x.len(), m * k);
     assert_eq!(y.len(), m * n);
     let simd = simd && avx2_available();
     for r0 in (0..m).step_by(MAX_BATCH_ROWS) {
         let rows = (m - r0).min(MAX_BATCH_ROWS);
-        let xq = Q8Rows::quantize(&x[r0 * k..(r0 + rows) * k], rows, k);
+        let xq = Q8Rows::quantize(&x[r0 * k..(r0 + rows) * k], rows, k, w.nbp);
         let out = OutPtr(y[r0 * n..].as_mut_ptr());
         // Enough chunks for two threads to balance, few enough that scheduling stays cheap.
         let chunk = (n / 32).clamp(8, 256);
@@ -64,44 +57,33 @@ pub fn matmul(w: QMatrix, x: &[f32], m: usize, y: &mut [f32], simd: bool) {
             let out = &out;
             if simd {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: AVX2/FMA were detected; the sizes were checked above; each task writes
-                // only its own columns n0..n1.
+                // SAFETY: AVX2/FMA/F16C were detected; x was quantized to w's padded width; each
+                // task writes only its own columns n0..n1.
                 unsafe {
-                    avx2::matmul_range(format, w, &xq, n0, n1, out.0, n)
+                    avx2::matmul_range(w, &xq, n0, n1, out.0, n)
                 };
             } else {
                 // SAFETY: as above, disjoint columns.
-                unsafe { scalar_range(format, w, &xq, n0, n1, out.0, n) };
+                unsafe { scalar_range(w, &xq, n0, n1, out.0, n) };
             }
         });
     }
 }
 
-/// Portable version of the AVX2 kernel, same arithmetic (integer block dots, f32 scaling).
+/// Portable version of the AVX2 kernel: integer block dots, f32 scaling.
 ///
 /// # Safety
 /// `out` must have room for `x.rows` rows of stride `ldo` covering columns `n0..n1`.
-unsafe fn scalar_range(
-    format: QuantFormat,
-    w: &[u8],
-    x: &Q8Rows,
-    n0: usize,
-    n1: usize,
-    out: *mut f32,
-    ldo: usize,
-) {
-    let nb = x.k / QK;
-    let bb = format.block_bytes();
+unsafe fn scalar_range(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out: *mut f32, ldo: usize) {
     let mut q = [0i32; QK];
     for n in n0..n1 {
-        let wrow = &w[n * nb * bb..(n + 1) * nb * bb];
         for r in 0..x.rows {
             let mut acc = 0f32;
-            for b in 0..nb {
-                let (d, m) = decode_block(format, &wrow[b * bb..(b + 1) * bb], &mut q);
-                let a = &x.qs[r * x.k + b * QK..r * x.k + (b + 1) * QK];
+            for b in 0..w.nb {
+                let (d, m) = w.block(n, b, &mut q);
+                let xb = r * x.nbp + b;
+                let a = &x.qs[xb * QK..(xb + 1) * QK];
                 let dot: i32 = q.iter().zip(a).map(|(&qi, &ai)| qi * ai as i32).sum();
-                let xb = r * nb + b;
                 acc += d * x.d[xb] * dot as f32 + m * x.s[xb];
             }
             *out.add(r * ldo + n) = acc;
@@ -135,9 +117,9 @@ mod tests {
         let (n, k) = q.shape().dims2().unwrap();
         let (m, _) = x.dims2().unwrap();
         let data = q.data().unwrap();
-        let w = QMatrix { format: QuantFormat::from_ggml(q.dtype()).unwrap(), data: &data, n, k };
+        let w = PackedMatrix::from_gguf(QuantFormat::from_ggml(q.dtype()).unwrap(), &data, n, k);
         let mut y = vec![0f32; m * n];
-        matmul(w, &x.flatten_all().unwrap().to_vec1().unwrap(), m, &mut y, simd);
+        matmul(&w, &x.flatten_all().unwrap().to_vec1().unwrap(), m, &mut y, simd);
         y
     }
 
@@ -191,10 +173,14 @@ mod tests {
             let data = q.data().unwrap();
             let f = QuantFormat::from_ggml(fmt).unwrap();
             let rb = 96 / QK * f.block_bytes();
+            let packed = PackedMatrix::from_gguf(f, &data, 4, 96);
             for r in 0..4 {
                 let mut out = vec![0f32; 96];
                 dequantize_row(f, &data[r * rb..(r + 1) * rb], &mut out);
                 assert_eq!(out, want[r * 96..(r + 1) * 96], "{fmt:?} row {r}");
+                let mut out = vec![0f32; 96];
+                packed.dequantize_row(r, &mut out);
+                assert_eq!(out, want[r * 96..(r + 1) * 96], "{fmt:?} packed row {r}");
             }
         }
     }

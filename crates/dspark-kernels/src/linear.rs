@@ -1,6 +1,7 @@
 //! A linear layer over GGUF weights that routes each format to the fastest kernel we have.
 
-use crate::format::{dequantize_row, QuantFormat};
+use crate::format::QuantFormat;
+use crate::packed::PackedMatrix;
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Result, Tensor};
 use std::sync::Arc;
@@ -25,7 +26,7 @@ impl KernelChoice {
 }
 
 enum Inner {
-    Ours { format: QuantFormat, data: Arc<Vec<u8>>, simd: bool },
+    Ours { packed: Arc<PackedMatrix>, simd: bool },
     Candle(QMatMul),
     Dense(Tensor),
 }
@@ -44,8 +45,7 @@ impl QLinear {
         let inner = match (format, choice) {
             (Some(format), KernelChoice::Ours | KernelChoice::OursScalar) if in_dim % 32 == 0 => {
                 Inner::Ours {
-                    format,
-                    data: Arc::new(qt.data()?.into_owned()),
+                    packed: Arc::new(PackedMatrix::from_gguf(format, &qt.data()?, out_dim, in_dim)),
                     simd: choice == KernelChoice::Ours,
                 }
             }
@@ -72,27 +72,37 @@ impl QLinear {
     /// `x`: `(rows, in)` f32 → `(rows, out)`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match &self.inner {
-            Inner::Ours { format, data, simd } => {
-                let (rows, k) = x.dims2()?;
-                let xs = x.contiguous()?.to_dtype(DType::F32)?;
-                let xv = xs.flatten_all()?.to_vec1::<f32>()?;
-                let mut y = vec![0f32; rows * self.out_dim];
-                let w = crate::QMatrix { format: *format, data, n: self.out_dim, k };
-                crate::matmul(w, &xv, rows, &mut y, *simd);
-                Tensor::from_vec(y, (rows, self.out_dim), &Device::Cpu)
+            Inner::Ours { .. } => {
+                let (rows, _) = x.dims2()?;
+                let xv = x.contiguous()?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                Tensor::from_vec(self.forward_slice(&xv, rows)?, (rows, self.out_dim), &Device::Cpu)
             }
             Inner::Candle(q) => q.forward(x),
             Inner::Dense(wt) => x.matmul(wt),
         }
     }
 
+    /// `x`: `rows × in` → `rows × out`, without tensor round trips on our kernels' path.
+    pub fn forward_slice(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        match &self.inner {
+            Inner::Ours { packed, simd } => {
+                let mut y = vec![0f32; rows * self.out_dim];
+                crate::matmul(packed, x, rows, &mut y, *simd);
+                Ok(y)
+            }
+            _ => {
+                let xt = Tensor::from_slice(x, (rows, self.in_dim), &Device::Cpu)?;
+                self.forward(&xt)?.flatten_all()?.to_vec1()
+            }
+        }
+    }
+
     /// Row `i` of `W` as f32 (embedding lookup on a tied table).
     pub fn row(&self, i: usize) -> Result<Vec<f32>> {
         match &self.inner {
-            Inner::Ours { format, data, .. } => {
-                let rb = self.in_dim / 32 * format.block_bytes();
+            Inner::Ours { packed, .. } => {
                 let mut out = vec![0f32; self.in_dim];
-                dequantize_row(*format, &data[i * rb..(i + 1) * rb], &mut out);
+                packed.dequantize_row(i, &mut out);
                 Ok(out)
             }
             Inner::Candle(QMatMul::QTensor(q)) => {

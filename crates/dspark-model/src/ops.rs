@@ -2,7 +2,6 @@
 //! skips candle's tensor machinery here: per-op overhead would rival a 135M model's compute.
 
 use crate::Result;
-use candle_core::{Device, Tensor};
 use dspark_kernels::QLinear;
 
 #[inline]
@@ -82,8 +81,7 @@ pub fn gated(gate: &mut [f32], up: &[f32], gelu: bool) {
 
 /// `x · Wᵀ` for `rows` rows of `x`.
 pub fn linear(l: &QLinear, x: &[f32], rows: usize) -> Result<Vec<f32>> {
-    let xt = Tensor::from_slice(x, (rows, l.in_dim()), &Device::Cpu)?;
-    Ok(l.forward(&xt)?.flatten_all()?.to_vec1()?)
+    Ok(l.forward_slice(x, rows)?)
 }
 
 /// Cos/sin tables for the positions of a batch: `[rows][head_dim / 2]`.
