@@ -130,15 +130,18 @@ impl Q8Rows {
         let mut qs = vec![0i8; rows * kp];
         let mut d = vec![0f32; rows * nbp];
         let mut s = vec![0f32; rows * nbp];
-        let work =
-            |((x, q), (d, s)): ((&[f32], &mut [i8]), (&mut [f32], &mut [f32]))| quantize_blocks(x, q, d, s);
         // Rows are independent; batches quantize on all threads.
-        let parts =
-            x.par_chunks(k).zip(qs.par_chunks_mut(kp)).zip(d.par_chunks_mut(nbp).zip(s.par_chunks_mut(nbp)));
         if rows >= 4 {
-            parts.for_each(work);
+            x.par_chunks(k)
+                .zip(qs.par_chunks_mut(kp))
+                .zip(d.par_chunks_mut(nbp).zip(s.par_chunks_mut(nbp)))
+                .for_each(|((x, q), (d, s))| quantize_blocks(x, q, d, s));
         } else {
-            x.chunks(k).zip(qs.chunks_mut(kp)).zip(d.chunks_mut(nbp).zip(s.chunks_mut(nbp))).for_each(work);
+            for ((x, q), (d, s)) in
+                x.chunks(k).zip(qs.chunks_mut(kp)).zip(d.chunks_mut(nbp).zip(s.chunks_mut(nbp)))
+            {
+                quantize_blocks(x, q, d, s);
+            }
         }
         Self { rows, k, nbp, qs, d, s }
     }
