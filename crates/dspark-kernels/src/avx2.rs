@@ -7,7 +7,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use crate::format::{Q8Rows, QuantFormat, QK};
-use crate::packed::PackedMatrix;
+use crate::packed::{PackedMatrix, ScaleKind};
 use std::arch::x86_64::*;
 
 pub const MAX_ROWS: usize = 32;
@@ -31,22 +31,103 @@ unsafe fn bits_to_bytes(p: *const u8) -> __m256i {
     _mm256_cmpeq_epi8(_mm256_or_si256(bytes, mask), _mm256_set1_epi64x(-1))
 }
 
-/// The 32 integers of block `i` (global block index): signed, or unsigned for "_1" formats.
+/// The 32 integers of block `i` (global block index): signed, or unsigned for formats with an
+/// offset.
 #[inline(always)]
-unsafe fn unpack(w: &PackedMatrix, i: usize) -> __m256i {
-    match w.format {
-        QuantFormat::Q4_0 => _mm256_sub_epi8(nibbles(w.qs.as_ptr().add(i * 16)), _mm256_set1_epi8(8)),
-        QuantFormat::Q4_1 => nibbles(w.qs.as_ptr().add(i * 16)),
-        QuantFormat::Q5_0 => {
-            let hi =
-                _mm256_andnot_si256(bits_to_bytes(w.qh.as_ptr().add(i * 4)), _mm256_set1_epi8(0xF0u8 as i8));
-            _mm256_or_si256(nibbles(w.qs.as_ptr().add(i * 16)), hi)
+unsafe fn unpack<F: Fmt>(w: &PackedMatrix, i: usize) -> __m256i {
+    if F::BYTES {
+        return _mm256_loadu_si256(w.qs.as_ptr().add(i * 32) as *const __m256i);
+    }
+    let mut v = nibbles(w.qs.as_ptr().add(i * 16));
+    for pl in 0..F::PLANES {
+        let bits = bits_to_bytes(w.qh.as_ptr().add((i * F::PLANES + pl) * 4));
+        v = _mm256_or_si256(v, _mm256_and_si256(bits, _mm256_set1_epi8(0x10 << pl)));
+    }
+    if F::BIAS == 0 {
+        v
+    } else {
+        _mm256_sub_epi8(v, _mm256_set1_epi8(F::BIAS))
+    }
+}
+
+/// A weight format as compile-time constants, so that each format gets its own kernel with no
+/// per-block branches.
+trait Fmt {
+    const BYTES: bool = false;
+    const PLANES: usize = 0;
+    const BIAS: i8 = 0;
+    const SIGNED: bool = true;
+    const SCALES: ScaleKind = ScaleKind::F16;
+}
+struct Q40;
+struct Q41;
+struct Q50;
+struct Q51;
+struct Q80;
+struct Q4K;
+struct Q6K;
+impl Fmt for Q40 {
+    const BIAS: i8 = 8;
+}
+impl Fmt for Q41 {
+    const SIGNED: bool = false;
+}
+impl Fmt for Q50 {
+    const PLANES: usize = 1;
+    const BIAS: i8 = 16;
+}
+impl Fmt for Q51 {
+    const PLANES: usize = 1;
+    const SIGNED: bool = false;
+}
+impl Fmt for Q80 {
+    const BYTES: bool = true;
+}
+impl Fmt for Q4K {
+    const SIGNED: bool = false;
+    const SCALES: ScaleKind = ScaleKind::K4;
+}
+impl Fmt for Q6K {
+    const PLANES: usize = 2;
+    const BIAS: i8 = 32;
+    const SCALES: ScaleKind = ScaleKind::K6;
+}
+
+/// The weight scales of the eight blocks of group `gi` (global group index): low halves, high
+/// halves (equal except for Q6_K), and offsets.
+#[inline(always)]
+unsafe fn group_scales<F: Fmt>(w: &PackedMatrix, gi: usize) -> (__m256, __m256, __m256) {
+    let i = gi * 8;
+    match F::SCALES {
+        ScaleKind::F16 => {
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(w.d16.as_ptr().add(i) as *const __m128i));
+            let m = if F::SIGNED {
+                _mm256_setzero_ps()
+            } else {
+                _mm256_cvtph_ps(_mm_loadu_si128(w.m16.as_ptr().add(i) as *const __m128i))
+            };
+            (d, d, m)
         }
-        QuantFormat::Q5_1 => {
-            let hi = _mm256_and_si256(bits_to_bytes(w.qh.as_ptr().add(i * 4)), _mm256_set1_epi8(0x10));
-            _mm256_or_si256(nibbles(w.qs.as_ptr().add(i * 16)), hi)
+        ScaleKind::K4 => {
+            let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                w.sc.as_ptr().add(i) as *const __m128i
+            )));
+            let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                w.mn.as_ptr().add(i) as *const __m128i
+            )));
+            let d = _mm256_mul_ps(_mm256_set1_ps(w.gd[gi]), sc);
+            (d, d, _mm256_mul_ps(_mm256_set1_ps(-w.gmin[gi]), mn))
         }
-        QuantFormat::Q8_0 => _mm256_loadu_si256(w.qs.as_ptr().add(i * 32) as *const __m256i),
+        ScaleKind::K6 => {
+            let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                w.sc.as_ptr().add(i) as *const __m128i
+            )));
+            let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                w.mn.as_ptr().add(i) as *const __m128i
+            )));
+            let d = _mm256_set1_ps(w.gd[gi]);
+            (_mm256_mul_ps(d, lo), _mm256_mul_ps(d, hi), _mm256_setzero_ps())
+        }
     }
 }
 
@@ -64,24 +145,36 @@ unsafe fn hsum(v: __m256) -> f32 {
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; `x` was quantized with `w.nbp` blocks per row;
 /// `out` has room for `x.rows` rows of stride `ldo` covering columns `n0..n1`.
-#[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn matmul_range(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out: *mut f32, ldo: usize) {
+    debug_assert!(x.rows <= MAX_ROWS && x.nbp == w.nbp);
+    match w.format {
+        QuantFormat::Q4_0 => range::<Q40>(w, x, n0, n1, out, ldo),
+        QuantFormat::Q4_1 => range::<Q41>(w, x, n0, n1, out, ldo),
+        QuantFormat::Q5_0 => range::<Q50>(w, x, n0, n1, out, ldo),
+        QuantFormat::Q5_1 => range::<Q51>(w, x, n0, n1, out, ldo),
+        QuantFormat::Q8_0 => range::<Q80>(w, x, n0, n1, out, ldo),
+        QuantFormat::Q4K => range::<Q4K>(w, x, n0, n1, out, ldo),
+        QuantFormat::Q6K => range::<Q6K>(w, x, n0, n1, out, ldo),
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn range<F: Fmt>(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out: *mut f32, ldo: usize) {
     let rows = x.rows;
-    debug_assert!(rows <= MAX_ROWS && x.nbp == w.nbp);
     for n in n0..n1 {
         // Register tiles of 4 activation rows, then 2, then 1: every row runs the same
         // arithmetic in the same order, so its result does not depend on its batch.
         let mut r0 = 0;
         while r0 + 4 <= rows {
-            store(out, ldo, n, r0, tile::<4>(w, n, x, r0));
+            store(out, ldo, n, r0, tile::<F, 4>(w, n, x, r0));
             r0 += 4;
         }
         if r0 + 2 <= rows {
-            store(out, ldo, n, r0, tile::<2>(w, n, x, r0));
+            store(out, ldo, n, r0, tile::<F, 2>(w, n, x, r0));
             r0 += 2;
         }
         if r0 < rows {
-            store(out, ldo, n, r0, tile::<1>(w, n, x, r0));
+            store(out, ldo, n, r0, tile::<F, 1>(w, n, x, r0));
         }
     }
 }
@@ -98,39 +191,44 @@ unsafe fn store<const R: usize>(out: *mut f32, ldo: usize, n: usize, r0: usize, 
 /// of a row, one FMA the offset terms; then each block costs an unpack plus, per row, an
 /// integer dot, a conversion and an FMA. Even and odd blocks accumulate in separate chains.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile<const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r0: usize) -> [f32; R] {
+unsafe fn tile<F: Fmt, const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r0: usize) -> [f32; R] {
     let nbp = w.nbp;
     let kp = nbp * QK;
-    let signed = !w.format.has_min();
-    let has_min = w.format.has_min();
+    let signed = F::SIGNED;
+    let split = F::SCALES == ScaleKind::K6;
     let one = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); R]; 2];
     let mut macc = [_mm256_setzero_ps(); R];
-    let mut scale = [[0f32; 8]; R];
+    let mut lo = [[0f32; 8]; R];
+    let mut hi = [[0f32; 8]; R];
     let base = n * nbp;
     for g in (0..nbp).step_by(8) {
-        let dw = _mm256_cvtph_ps(_mm_loadu_si128(w.d.as_ptr().add(base + g) as *const __m128i));
+        let (dlo, dhi, mw) = group_scales::<F>(w, (base + g) / 8);
         for r in 0..R {
             let xo = (r0 + r) * nbp + g;
-            let s = _mm256_mul_ps(dw, _mm256_loadu_ps(x.d.as_ptr().add(xo)));
-            _mm256_storeu_ps(scale[r].as_mut_ptr(), s);
-        }
-        if has_min {
-            let mw = _mm256_cvtph_ps(_mm_loadu_si128(w.m.as_ptr().add(base + g) as *const __m128i));
-            for r in 0..R {
-                let xo = (r0 + r) * nbp + g;
+            let xd = _mm256_loadu_ps(x.d.as_ptr().add(xo));
+            _mm256_storeu_ps(lo[r].as_mut_ptr(), _mm256_mul_ps(dlo, xd));
+            if split {
+                _mm256_storeu_ps(hi[r].as_mut_ptr(), _mm256_mul_ps(dhi, xd));
+            }
+            if !F::SIGNED {
                 macc[r] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(x.s.as_ptr().add(xo)), macc[r]);
             }
         }
         for j in 0..8 {
             let b = g + j;
-            let q = unpack(w, base + b);
+            let q = unpack::<F>(w, base + b);
             let wa = if signed { _mm256_sign_epi8(q, q) } else { q };
             for r in 0..R {
                 let a = _mm256_loadu_si256(x.qs.as_ptr().add((r0 + r) * kp + b * QK) as *const __m256i);
                 let a = if signed { _mm256_sign_epi8(a, q) } else { a };
                 let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, a), one);
-                let sc = _mm256_broadcast_ss(&scale[r][j]);
+                // Lanes 0–3 hold values 0–15 of the block, lanes 4–7 values 16–31.
+                let sc = if split {
+                    _mm256_set_m128(_mm_broadcast_ss(&hi[r][j]), _mm_broadcast_ss(&lo[r][j]))
+                } else {
+                    _mm256_broadcast_ss(&lo[r][j])
+                };
                 acc[j & 1][r] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p), acc[j & 1][r]);
             }
         }

@@ -15,6 +15,9 @@ pub enum QuantFormat {
     Q5_0,
     Q5_1,
     Q8_0,
+    /// K-quants: `block_bytes` is the size of a 256-value super-block.
+    Q4K,
+    Q6K,
 }
 
 impl QuantFormat {
@@ -25,12 +28,14 @@ impl QuantFormat {
             Self::Q5_0 => 22,
             Self::Q5_1 => 24,
             Self::Q8_0 => 34,
+            Self::Q4K => 144,
+            Self::Q6K => 210,
         }
     }
 
     /// Formats with an offset `m`: their integers are unsigned.
     pub fn has_min(self) -> bool {
-        matches!(self, Self::Q4_1 | Self::Q5_1)
+        matches!(self, Self::Q4_1 | Self::Q5_1 | Self::Q4K)
     }
 
     pub fn from_ggml(dtype: candle_core::quantized::GgmlDType) -> Option<Self> {
@@ -41,6 +46,8 @@ impl QuantFormat {
             G::Q5_0 => Self::Q5_0,
             G::Q5_1 => Self::Q5_1,
             G::Q8_0 => Self::Q8_0,
+            G::Q4K => Self::Q4K,
+            G::Q6K => Self::Q6K,
             _ => return None,
         })
     }
@@ -51,8 +58,8 @@ pub(crate) fn f16_at(b: &[u8], off: usize) -> f32 {
     f16::from_le_bytes([b[off], b[off + 1]]).to_f32()
 }
 
-/// Decodes one block into integers `q` (signed for formats without offset, unsigned otherwise),
-/// returning `(d, m)`.
+/// Decodes one 32-value block of a non-K format into integers `q` (signed for formats without
+/// offset, unsigned otherwise), returning `(d, m)`.
 pub fn decode_block(format: QuantFormat, block: &[u8], q: &mut [i32; QK]) -> (f32, f32) {
     let d = f16_at(block, 0);
     match format {
@@ -91,6 +98,7 @@ pub fn decode_block(format: QuantFormat, block: &[u8], q: &mut [i32; QK]) -> (f3
             }
             (d, 0.0)
         }
+        QuantFormat::Q4K | QuantFormat::Q6K => unreachable!("K-quants are decoded by PackedMatrix"),
     }
 }
 

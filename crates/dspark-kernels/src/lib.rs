@@ -80,11 +80,13 @@ unsafe fn scalar_range(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out: 
         for r in 0..x.rows {
             let mut acc = 0f32;
             for b in 0..w.nb {
-                let (d, m) = w.block(n, b, &mut q);
+                let (dlo, dhi, m) = w.block(n, b, &mut q);
                 let xb = r * x.nbp + b;
                 let a = &x.qs[xb * QK..(xb + 1) * QK];
-                let dot: i32 = q.iter().zip(a).map(|(&qi, &ai)| qi * ai as i32).sum();
-                acc += d * x.d[xb] * dot as f32 + m * x.s[xb];
+                let dot = |h: std::ops::Range<usize>| {
+                    q[h.clone()].iter().zip(&a[h]).map(|(&qi, &ai)| qi * ai as i32).sum::<i32>()
+                };
+                acc += x.d[xb] * (dlo * dot(0..16) as f32 + dhi * dot(16..32) as f32) + m * x.s[xb];
             }
             *out.add(r * ldo + n) = acc;
         }
@@ -165,22 +167,25 @@ mod tests {
 
     #[test]
     fn rows_dequantize_like_candle() {
-        let w = random(4, 96, 3);
+        let k = 512;
+        let w = random(4, k, 3);
         for fmt in FORMATS {
             let q = QTensor::quantize(&w, fmt).unwrap();
             let want: Vec<f32> =
                 q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
             let data = q.data().unwrap();
             let f = QuantFormat::from_ggml(fmt).unwrap();
-            let rb = 96 / QK * f.block_bytes();
-            let packed = PackedMatrix::from_gguf(f, &data, 4, 96);
+            let packed = PackedMatrix::from_gguf(f, &data, 4, k);
             for r in 0..4 {
-                let mut out = vec![0f32; 96];
-                dequantize_row(f, &data[r * rb..(r + 1) * rb], &mut out);
-                assert_eq!(out, want[r * 96..(r + 1) * 96], "{fmt:?} row {r}");
-                let mut out = vec![0f32; 96];
+                let mut out = vec![0f32; k];
                 packed.dequantize_row(r, &mut out);
-                assert_eq!(out, want[r * 96..(r + 1) * 96], "{fmt:?} packed row {r}");
+                assert_eq!(out, want[r * k..(r + 1) * k], "{fmt:?} packed row {r}");
+                if !matches!(f, QuantFormat::Q4K | QuantFormat::Q6K) {
+                    let rb = k / QK * f.block_bytes();
+                    let mut out = vec![0f32; k];
+                    dequantize_row(f, &data[r * rb..(r + 1) * rb], &mut out);
+                    assert_eq!(out, want[r * k..(r + 1) * k], "{fmt:?} row {r}");
+                }
             }
         }
     }

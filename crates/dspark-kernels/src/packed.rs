@@ -1,127 +1,284 @@
-//! GGUF weights repacked once at load time into a structure-of-arrays layout per row: the
-//! quantized integers of all blocks contiguous, then the f16 scales (and offsets, and Q5 high
-//! bits) contiguous, each row padded to a multiple of 8 blocks. The kernel then converts eight
-//! scales with one instruction and keeps the offset term in vector registers, instead of
-//! decoding two f16 values per block.
+//! GGUF weights repacked once at load time into a structure-of-arrays layout per row, in groups
+//! of eight 32-value blocks: the integers of every block contiguous (4-bit formats as
+//! "elements 0..16 in low nibbles, 16..32 in high nibbles", extra high bits as bit planes), then
+//! the scales. The kernel converts a group's eight scales with one instruction and keeps offset
+//! terms in vector registers instead of decoding two f16 values per block.
+//!
+//! K-quants keep their 256-value super-blocks as one group: an f32 super-scale (and super-min)
+//! and eight small integer scales, so the layout stays about as compact as GGUF's.
 
 use crate::format::{decode_block, QuantFormat, QK};
 use half::f16;
+
+/// How a group's scales are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScaleKind {
+    /// One f16 scale (and offset) per block.
+    F16,
+    /// Q4_K: per super-block f32 `d`, `dmin`; per block 6-bit `sc`, `mn`: weight = d·sc·q − dmin·mn.
+    K4,
+    /// Q6_K: per super-block f32 `d`; per 16 values an i8 scale (block halves lo / hi).
+    K6,
+}
 
 pub struct PackedMatrix {
     pub format: QuantFormat,
     pub n: usize,
     pub k: usize,
-    /// Real and padded blocks per row.
+    /// Real and padded blocks per row (padded to a multiple of 8).
     pub nb: usize,
     pub nbp: usize,
-    /// Per row `nbp × qbytes`: low nibbles of elements 0..16 and high nibbles for 16..32 as in
-    /// GGUF (4-bit formats), or the 32 signed bytes (Q8_0).
+    pub scales: ScaleKind,
+    /// Per block: 16 bytes of nibbles, or 32 signed bytes (Q8_0).
     pub qs: Vec<u8>,
-    /// Per row `nbp × 4`: Q5 high bits (bit i → element i).
+    /// Per block, `planes` u32 bit planes of the bits above the nibble (Q5: 1, Q6_K: 2).
     pub qh: Vec<u8>,
-    /// Per row `nbp`: scales and offsets as f16 bits.
-    pub d: Vec<u16>,
-    pub m: Vec<u16>,
+    pub planes: usize,
+    /// `F16`: per block `d` (and `m`) as f16 bits.
+    pub d16: Vec<u16>,
+    pub m16: Vec<u16>,
+    /// `K4`/`K6`: per group (super-block) `d` and (K4) `dmin`.
+    pub gd: Vec<f32>,
+    pub gmin: Vec<f32>,
+    /// `K4`: per block scale and min. `K6`: per block scale of the low and high half (as i8).
+    pub sc: Vec<u8>,
+    pub mn: Vec<u8>,
+}
+
+fn f16_bits(b: &[u8], o: usize) -> u16 {
+    u16::from_le_bytes([b[o], b[o + 1]])
+}
+
+fn f32_of(bits: u16) -> f32 {
+    f16::from_bits(bits).to_f32()
+}
+
+/// Nibble byte layout of a 32-value block: byte l holds value l (low) and value l + 16 (high).
+fn pack_nibbles(v: &[u8; 32], out: &mut [u8]) {
+    for l in 0..16 {
+        out[l] = (v[l] & 0x0F) | ((v[l + 16] & 0x0F) << 4);
+    }
+}
+
+/// Bit `bit` of each of 32 values as a little-endian u32 (value i → bit i).
+fn plane(v: &[u8; 32], bit: u32) -> [u8; 4] {
+    let mut m = 0u32;
+    for (i, &x) in v.iter().enumerate() {
+        m |= (((x >> bit) & 1) as u32) << i;
+    }
+    m.to_le_bytes()
+}
+
+/// Q4_K's packed 6-bit scale and min of sub-block `j`.
+fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
 }
 
 impl PackedMatrix {
-    pub fn qbytes(format: QuantFormat) -> usize {
-        if format == QuantFormat::Q8_0 {
-            32
-        } else {
-            16
-        }
-    }
-
-    /// Repacks `n` rows of `k` values of GGUF blocks.
-    pub fn from_gguf(format: QuantFormat, data: &[u8], n: usize, k: usize) -> Self {
+    fn empty(format: QuantFormat, n: usize, k: usize) -> Self {
         assert_eq!(k % QK, 0);
         let nb = k / QK;
         let nbp = nb.div_ceil(8) * 8;
-        let bb = format.block_bytes();
-        assert_eq!(data.len(), n * nb * bb, "weight bytes do not match n × k");
-        let qb = Self::qbytes(format);
-        let is_q5 = matches!(format, QuantFormat::Q5_0 | QuantFormat::Q5_1);
-        let mut p = Self {
+        let scales = match format {
+            QuantFormat::Q4K => ScaleKind::K4,
+            QuantFormat::Q6K => ScaleKind::K6,
+            _ => ScaleKind::F16,
+        };
+        let planes = match format {
+            QuantFormat::Q5_0 | QuantFormat::Q5_1 => 1,
+            QuantFormat::Q6K => 2,
+            _ => 0,
+        };
+        let blocks = n * nbp;
+        let groups = blocks / 8;
+        let k_quant = scales != ScaleKind::F16;
+        Self {
             format,
             n,
             k,
             nb,
             nbp,
-            qs: vec![0; n * nbp * qb],
-            qh: if is_q5 { vec![0; n * nbp * 4] } else { Vec::new() },
-            d: vec![0; n * nbp],
-            m: if format.has_min() { vec![0; n * nbp] } else { Vec::new() },
-        };
-        for row in 0..n {
-            for b in 0..nb {
-                let blk = &data[(row * nb + b) * bb..][..bb];
-                let i = row * nbp + b;
-                let u16_at = |o: usize| u16::from_le_bytes([blk[o], blk[o + 1]]);
-                p.d[i] = u16_at(0);
-                let (q_off, h_off) = match format {
-                    QuantFormat::Q4_0 => (2, None),
-                    QuantFormat::Q4_1 => (4, None),
-                    QuantFormat::Q5_0 => (6, Some(2)),
-                    QuantFormat::Q5_1 => (8, Some(4)),
-                    QuantFormat::Q8_0 => (2, None),
-                };
-                if format.has_min() {
-                    p.m[i] = u16_at(2);
+            scales,
+            qs: vec![0; blocks * if format == QuantFormat::Q8_0 { 32 } else { 16 }],
+            qh: vec![0; blocks * planes * 4],
+            planes,
+            d16: if k_quant { Vec::new() } else { vec![0; blocks] },
+            m16: if format.has_min() && !k_quant { vec![0; blocks] } else { Vec::new() },
+            gd: if k_quant { vec![0.0; groups] } else { Vec::new() },
+            gmin: if scales == ScaleKind::K4 { vec![0.0; groups] } else { Vec::new() },
+            sc: if k_quant { vec![0; blocks] } else { Vec::new() },
+            mn: if k_quant { vec![0; blocks] } else { Vec::new() },
+        }
+    }
+
+    /// Repacks `n` rows of `k` values of GGUF data.
+    pub fn from_gguf(format: QuantFormat, data: &[u8], n: usize, k: usize) -> Self {
+        let mut p = Self::empty(format, n, k);
+        let (nb, nbp) = (p.nb, p.nbp);
+        match format {
+            QuantFormat::Q4K | QuantFormat::Q6K => {
+                assert_eq!(k % 256, 0, "K-quant rows are whole 256-value super-blocks");
+                let sbb = format.block_bytes();
+                assert_eq!(data.len(), n * k / 256 * sbb, "weight bytes do not match n × k");
+                for (s, sb) in data.chunks_exact(sbb).enumerate() {
+                    let g = s; // nbp == nb for K-quants: super-block s is group s
+                    if format == QuantFormat::Q4K {
+                        p.pack_q4k(g, sb);
+                    } else {
+                        p.pack_q6k(g, sb);
+                    }
                 }
-                p.qs[i * qb..(i + 1) * qb].copy_from_slice(&blk[q_off..q_off + qb]);
-                if let Some(h) = h_off {
-                    p.qh[i * 4..(i + 1) * 4].copy_from_slice(&blk[h..h + 4]);
+            }
+            _ => {
+                let bb = format.block_bytes();
+                assert_eq!(data.len(), n * nb * bb, "weight bytes do not match n × k");
+                let mut q = [0i32; QK];
+                for row in 0..n {
+                    for b in 0..nb {
+                        let blk = &data[(row * nb + b) * bb..][..bb];
+                        let i = row * nbp + b;
+                        p.d16[i] = f16_bits(blk, 0);
+                        if format.has_min() {
+                            p.m16[i] = f16_bits(blk, 2);
+                        }
+                        decode_block(format, blk, &mut q);
+                        // Store the unsigned form; the kernel re-applies each format's bias.
+                        let bias = match format {
+                            QuantFormat::Q4_0 => 8,
+                            QuantFormat::Q5_0 => 16,
+                            _ => 0,
+                        };
+                        let mut v = [0u8; 32];
+                        for (x, &qi) in v.iter_mut().zip(&q) {
+                            *x = (qi + bias) as u8;
+                        }
+                        p.put_ints(i, &v);
+                    }
                 }
             }
         }
         p
     }
 
-    /// Block `b` of row `row` as a GGUF block, for the portable decoder.
-    fn gguf_block(&self, row: usize, b: usize, out: &mut [u8; 34]) -> usize {
-        let i = row * self.nbp + b;
-        let qb = Self::qbytes(self.format);
-        out[..2].copy_from_slice(&self.d[i].to_le_bytes());
-        let mut o = 2;
-        if self.format.has_min() {
-            out[2..4].copy_from_slice(&self.m[i].to_le_bytes());
-            o = 4;
+    fn put_ints(&mut self, i: usize, v: &[u8; 32]) {
+        if self.format == QuantFormat::Q8_0 {
+            self.qs[i * 32..(i + 1) * 32].copy_from_slice(v);
+            return;
         }
-        if !self.qh.is_empty() {
-            out[o..o + 4].copy_from_slice(&self.qh[i * 4..(i + 1) * 4]);
-            o += 4;
+        pack_nibbles(v, &mut self.qs[i * 16..(i + 1) * 16]);
+        for pl in 0..self.planes {
+            let o = (i * self.planes + pl) * 4;
+            self.qh[o..o + 4].copy_from_slice(&plane(v, 4 + pl as u32));
         }
-        out[o..o + qb].copy_from_slice(&self.qs[i * qb..(i + 1) * qb]);
-        o + qb
     }
 
-    /// Integers and (d, m) of block `b` of row `row`.
-    pub fn block(&self, row: usize, b: usize, q: &mut [i32; QK]) -> (f32, f32) {
-        let mut raw = [0u8; 34];
-        let len = self.gguf_block(row, b, &mut raw);
-        decode_block(self.format, &raw[..len], q)
+    fn pack_q4k(&mut self, g: usize, sb: &[u8]) {
+        // d, dmin, scales[12], qs[128]; sub-block j: low (j even) or high (j odd) nibbles of
+        // qs[32·(j/2) ..][..32].
+        self.gd[g] = f32_of(f16_bits(sb, 0));
+        self.gmin[g] = f32_of(f16_bits(sb, 2));
+        let (scales, qs) = (&sb[4..16], &sb[16..144]);
+        for j in 0..8 {
+            let (sc, mn) = scale_min_k4(j, scales);
+            let i = g * 8 + j;
+            self.sc[i] = sc;
+            self.mn[i] = mn;
+            let src = &qs[32 * (j / 2)..][..32];
+            let mut v = [0u8; 32];
+            for (x, &b) in v.iter_mut().zip(src) {
+                *x = if j % 2 == 0 { b & 0x0F } else { b >> 4 };
+            }
+            self.put_ints(i, &v);
+        }
+    }
+
+    fn pack_q6k(&mut self, g: usize, sb: &[u8]) {
+        // ql[128], qh[64], scales[16] (i8), d. Value e (0..256), 128-chunk c, w = e % 128,
+        // lane l = w % 32, quarter t = w / 32: low 4 bits from ql[64c + l + 32·(t % 2)] (low
+        // nibble for t < 2, high otherwise), 2 high bits from qh[32c + l] >> 2t; scale e / 16.
+        let (ql, qh, scales) = (&sb[..128], &sb[128..192], &sb[192..208]);
+        self.gd[g] = f32_of(f16_bits(sb, 208));
+        let mut vals = [0u8; 256];
+        for (e, val) in vals.iter_mut().enumerate() {
+            let (c, w) = (e / 128, e % 128);
+            let (t, l) = (w / 32, w % 32);
+            let byte = ql[64 * c + l + 32 * (t % 2)];
+            let lo = if t < 2 { byte & 0x0F } else { byte >> 4 };
+            let hi = (qh[32 * c + l] >> (2 * t)) & 3;
+            *val = lo | (hi << 4);
+        }
+        for j in 0..8 {
+            let i = g * 8 + j;
+            self.sc[i] = scales[2 * j] as u8;
+            self.mn[i] = scales[2 * j + 1] as u8;
+            let v: [u8; 32] = vals[32 * j..32 * (j + 1)].try_into().unwrap();
+            self.put_ints(i, &v);
+        }
+    }
+
+    /// The signed integers of block `b` of `row` and the scales of its low and high halves and
+    /// its offset: value l = d_lo·q[l] + m for l < 16, d_hi·q[l] + m otherwise.
+    pub fn block(&self, row: usize, b: usize, q: &mut [i32; QK]) -> (f32, f32, f32) {
+        let i = row * self.nbp + b;
+        let mut v = [0u8; 32];
+        if self.format == QuantFormat::Q8_0 {
+            v.copy_from_slice(&self.qs[i * 32..(i + 1) * 32]);
+        } else {
+            for l in 0..16 {
+                let byte = self.qs[i * 16 + l];
+                v[l] = byte & 0x0F;
+                v[l + 16] = byte >> 4;
+            }
+            for pl in 0..self.planes {
+                let o = (i * self.planes + pl) * 4;
+                let m = u32::from_le_bytes(self.qh[o..o + 4].try_into().unwrap());
+                for (l, x) in v.iter_mut().enumerate() {
+                    *x |= (((m >> l) & 1) as u8) << (4 + pl);
+                }
+            }
+        }
+        let bias = self.bias();
+        for (qi, &x) in q.iter_mut().zip(&v) {
+            *qi = if self.format == QuantFormat::Q8_0 { x as i8 as i32 } else { x as i32 - bias };
+        }
+        let g = i / 8;
+        match self.scales {
+            ScaleKind::F16 => {
+                let d = f32_of(self.d16[i]);
+                let m = if self.m16.is_empty() { 0.0 } else { f32_of(self.m16[i]) };
+                (d, d, m)
+            }
+            ScaleKind::K4 => {
+                let d = self.gd[g] * self.sc[i] as f32;
+                (d, d, -self.gmin[g] * self.mn[i] as f32)
+            }
+            ScaleKind::K6 => {
+                (self.gd[g] * self.sc[i] as i8 as f32, self.gd[g] * self.mn[i] as i8 as f32, 0.0)
+            }
+        }
+    }
+
+    /// What is subtracted from the stored unsigned integers to get the signed ones.
+    pub fn bias(&self) -> i32 {
+        match self.format {
+            QuantFormat::Q4_0 => 8,
+            QuantFormat::Q5_0 => 16,
+            QuantFormat::Q6K => 32,
+            _ => 0,
+        }
     }
 
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         let mut q = [0i32; QK];
         for (b, chunk) in out.chunks_mut(QK).enumerate().take(self.nb) {
-            let (d, m) = self.block(row, b, &mut q);
-            for (o, &qi) in chunk.iter_mut().zip(q.iter()) {
-                *o = d * qi as f32 + m;
+            let (dlo, dhi, m) = self.block(row, b, &mut q);
+            for (l, (o, &qi)) in chunk.iter_mut().zip(q.iter()).enumerate() {
+                *o = if l < 16 { dlo } else { dhi } * qi as f32 + m;
             }
-        }
-    }
-
-    pub fn d_f32(&self, i: usize) -> f32 {
-        f16::from_bits(self.d[i]).to_f32()
-    }
-
-    pub fn m_f32(&self, i: usize) -> f32 {
-        if self.m.is_empty() {
-            0.0
-        } else {
-            f16::from_bits(self.m[i]).to_f32()
         }
     }
 }
