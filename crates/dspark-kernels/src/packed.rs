@@ -213,8 +213,8 @@ impl PackedMatrix {
         }
         for j in 0..8 {
             let i = g * 8 + j;
-            self.sc[i] = scales[2 * j] as u8;
-            self.mn[i] = scales[2 * j + 1] as u8;
+            self.sc[i] = scales[2 * j]; // i8 bits, read back as i8
+            self.mn[i] = scales[2 * j + 1];
             let v: [u8; 32] = vals[32 * j..32 * (j + 1)].try_into().unwrap();
             self.put_ints(i, &v);
         }
