@@ -25,6 +25,13 @@ fn check_tokenizer(name: &str) {
         let bos = m.tokenizer.bos().filter(|_| ids.first() == m.tokenizer.bos().as_ref());
         let body = if bos.is_some() { &ids[1..] } else { &ids[..] };
         assert_eq!(m.tokenizer.decode(body).unwrap(), text, "{name}: round trip");
+        // Streaming pieces are whole characters and add up to the same text.
+        let mut stream = dspark_tokenizer::StreamDecoder::new(&m.tokenizer);
+        let mut streamed = String::new();
+        for &t in body {
+            streamed += &stream.push(t).unwrap().unwrap_or_default();
+        }
+        assert_eq!(streamed, text, "{name}: streamed text");
     }
 }
 

@@ -88,8 +88,7 @@ impl Fmt for Q4K {
     const SCALES: ScaleKind = ScaleKind::K4;
 }
 impl Fmt for Q6K {
-    const PLANES: usize = 2;
-    const BIAS: i8 = 32;
+    const BYTES: bool = true;
     const SCALES: ScaleKind = ScaleKind::K6;
 }
 

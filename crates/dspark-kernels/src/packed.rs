@@ -29,9 +29,10 @@ pub struct PackedMatrix {
     pub nb: usize,
     pub nbp: usize,
     pub scales: ScaleKind,
-    /// Per block: 16 bytes of nibbles, or 32 signed bytes (Q8_0).
+    /// Per block: 16 bytes of nibbles, or 32 signed bytes (Q8_0, and Q6_K: its 6-bit values
+    /// cost more to unpack from bit planes than their extra bytes cost to read).
     pub qs: Vec<u8>,
-    /// Per block, `planes` u32 bit planes of the bits above the nibble (Q5: 1, Q6_K: 2).
+    /// Per block, `planes` u32 bit planes of the bits above the nibble (Q5: 1).
     pub qh: Vec<u8>,
     pub planes: usize,
     /// `F16`: per block `d` (and `m`) as f16 bits.
@@ -90,7 +91,6 @@ impl PackedMatrix {
         };
         let planes = match format {
             QuantFormat::Q5_0 | QuantFormat::Q5_1 => 1,
-            QuantFormat::Q6K => 2,
             _ => 0,
         };
         let blocks = n * nbp;
@@ -103,7 +103,7 @@ impl PackedMatrix {
             nb,
             nbp,
             scales,
-            qs: vec![0; blocks * if format == QuantFormat::Q8_0 { 32 } else { 16 }],
+            qs: vec![0; blocks * if Self::bytes(format) { 32 } else { 16 }],
             qh: vec![0; blocks * planes * 4],
             planes,
             d16: if k_quant { Vec::new() } else { vec![0; blocks] },
@@ -113,6 +113,11 @@ impl PackedMatrix {
             sc: if k_quant { vec![0; blocks] } else { Vec::new() },
             mn: if k_quant { vec![0; blocks] } else { Vec::new() },
         }
+    }
+
+    /// Formats stored as one signed byte per value.
+    pub fn bytes(format: QuantFormat) -> bool {
+        matches!(format, QuantFormat::Q8_0 | QuantFormat::Q6K)
     }
 
     /// Repacks `n` rows of `k` values of GGUF data.
@@ -165,8 +170,11 @@ impl PackedMatrix {
     }
 
     fn put_ints(&mut self, i: usize, v: &[u8; 32]) {
-        if self.format == QuantFormat::Q8_0 {
-            self.qs[i * 32..(i + 1) * 32].copy_from_slice(v);
+        if Self::bytes(self.format) {
+            let bias = self.bias() as u8;
+            for (dst, &x) in self.qs[i * 32..(i + 1) * 32].iter_mut().zip(v) {
+                *dst = x.wrapping_sub(bias);
+            }
             return;
         }
         pack_nibbles(v, &mut self.qs[i * 16..(i + 1) * 16]);
@@ -225,8 +233,10 @@ impl PackedMatrix {
     pub fn block(&self, row: usize, b: usize, q: &mut [i32; QK]) -> (f32, f32, f32) {
         let i = row * self.nbp + b;
         let mut v = [0u8; 32];
-        if self.format == QuantFormat::Q8_0 {
-            v.copy_from_slice(&self.qs[i * 32..(i + 1) * 32]);
+        if Self::bytes(self.format) {
+            for (qi, &x) in q.iter_mut().zip(&self.qs[i * 32..(i + 1) * 32]) {
+                *qi = x as i8 as i32;
+            }
         } else {
             for l in 0..16 {
                 let byte = self.qs[i * 16 + l];
@@ -241,9 +251,11 @@ impl PackedMatrix {
                 }
             }
         }
-        let bias = self.bias();
-        for (qi, &x) in q.iter_mut().zip(&v) {
-            *qi = if self.format == QuantFormat::Q8_0 { x as i8 as i32 } else { x as i32 - bias };
+        if !Self::bytes(self.format) {
+            let bias = self.bias();
+            for (qi, &x) in q.iter_mut().zip(&v) {
+                *qi = x as i32 - bias;
+            }
         }
         let g = i / 8;
         match self.scales {

@@ -125,27 +125,33 @@ impl Tokenizer {
 }
 
 /// Turns a stream of ids into text pieces that are always whole UTF-8: byte-level tokens may
-/// split a character (emoji, CJK) across tokens.
+/// split a character (emoji, CJK) across tokens. Only a short window of recent ids is decoded
+/// per step, so streaming stays linear in the output length.
 pub struct StreamDecoder<'a> {
     tok: &'a Tokenizer,
     ids: Vec<u32>,
-    emitted: usize,
+    /// Start of the window, and end of the part already emitted.
+    prefix: usize,
+    read: usize,
 }
 
 impl<'a> StreamDecoder<'a> {
     pub fn new(tok: &'a Tokenizer) -> Self {
-        Self { tok, ids: Vec::new(), emitted: 0 }
+        Self { tok, ids: Vec::new(), prefix: 0, read: 0 }
     }
 
     /// Adds one id and returns the newly completed text, if any.
     pub fn push(&mut self, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
-        let text = self.tok.decode(&self.ids)?;
-        if text.ends_with('\u{FFFD}') {
+        // Decoding from a token before the new ones keeps word-boundary spaces right.
+        let before = self.tok.decode(&self.ids[self.prefix..self.read])?;
+        let now = self.tok.decode(&self.ids[self.prefix..])?;
+        if now.len() <= before.len() || now.ends_with('\u{FFFD}') || !now.is_char_boundary(before.len()) {
             return Ok(None);
         }
-        let new = text.get(self.emitted..).unwrap_or("").to_string();
-        self.emitted = text.len();
-        Ok(if new.is_empty() { None } else { Some(new) })
+        let piece = now[before.len()..].to_string();
+        self.prefix = self.read;
+        self.read = self.ids.len();
+        Ok(Some(piece))
     }
 }
