@@ -57,15 +57,21 @@ pub struct Generation {
 /// Prompt rows per prefill forward; bounds the activation memory of long prompts.
 pub const PREFILL_CHUNK: usize = 256;
 
-/// Feeds the prompt into `cache` and returns the logits of its last position.
-pub fn prefill(model: &Model, cache: &mut KvCache, prompt: &[u32]) -> Result<Vec<f32>> {
+/// A prompt must have a token and leave room for at least one generated one.
+pub fn check_prompt(model: &Model, prompt: &[u32]) -> Result<()> {
+    let context = model.config.context_length;
     if prompt.is_empty() {
         return Err(DecodeError::EmptyPrompt);
     }
-    let context = model.config.context_length;
     if prompt.len() >= context {
         return Err(DecodeError::PromptTooLong { prompt: prompt.len(), context });
     }
+    Ok(())
+}
+
+/// Feeds the prompt into `cache` and returns the logits of its last position.
+pub fn prefill(model: &Model, cache: &mut KvCache, prompt: &[u32]) -> Result<Vec<f32>> {
+    check_prompt(model, prompt)?;
     let mut last = Vec::new();
     for chunk in prompt.chunks(PREFILL_CHUNK) {
         let mut seq = [SeqInput::logits_last(cache, chunk)];
@@ -83,10 +89,8 @@ pub fn generate(
     mut on_token: impl FnMut(u32),
 ) -> Result<Generation> {
     params.sampling.validate()?;
+    check_prompt(model, prompt)?;
     let context = model.config.context_length;
-    if prompt.len() >= context {
-        return Err(DecodeError::PromptTooLong { prompt: prompt.len(), context });
-    }
     let capacity = (prompt.len() + params.max_tokens).min(context);
     let mut cache = model.new_cache(capacity);
     let mut sampler = Sampler::new(params.seed);

@@ -58,6 +58,15 @@ impl<'s, 'a> Batch<'s, 'a> {
         Self { seqs, spans, rows: row0, positions }
     }
 
+    /// Per-sequence row lists (`pick`) as indices into the stacked batch.
+    pub fn global_rows(&self, pick: impl for<'x> Fn(&'x SeqInput<'a>) -> &'x Vec<usize>) -> Vec<usize> {
+        self.seqs
+            .iter()
+            .zip(&self.spans)
+            .flat_map(|(s, sp)| pick(s).iter().map(move |r| sp.row0 + r))
+            .collect()
+    }
+
     pub fn tokens(&self) -> Vec<u32> {
         self.seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect()
     }

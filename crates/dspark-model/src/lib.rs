@@ -121,6 +121,12 @@ impl SeqOutput {
     }
 }
 
+/// The model's chat template, with its BOS and EOS token texts.
+fn template(src: &str, tokenizer: &Tokenizer) -> Result<ChatTemplate> {
+    let text = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or_default();
+    Ok(ChatTemplate::new(src, &text(tokenizer.bos()), &text(tokenizer.eos().first().copied()))?)
+}
+
 enum Arch {
     Llama(llama::Llama),
     Gemma3(gemma3::Gemma3),
@@ -170,9 +176,7 @@ impl Model {
         let tokenizer = Tokenizer::from_gguf(&content)?;
         let chat_template = match content.metadata.get("tokenizer.chat_template") {
             Some(v) => {
-                let src = v.to_string().map_err(|e| ModelError::Format(e.to_string()))?;
-                let tok = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or_default();
-                Some(ChatTemplate::new(src, &tok(tokenizer.bos()), &tok(tokenizer.eos().first().copied()))?)
+                Some(template(v.to_string().map_err(|e| ModelError::Format(e.to_string()))?, &tokenizer)?)
             }
             None => None,
         };
@@ -205,17 +209,11 @@ impl Model {
             .unwrap_or(config.family == Family::Gemma3);
         let tokenizer =
             Tokenizer::from_hf_file(&dir.join("tokenizer.json"), id("bos_token_id"), eos, add_bos)?;
-        let chat_template = match tok_cfg
-            .as_ref()
-            .and_then(|c| c.get("chat_template"))
-            .and_then(|v| v.as_str())
-        {
-            Some(src) => {
-                let tok = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or_default();
-                Some(ChatTemplate::new(src, &tok(tokenizer.bos()), &tok(tokenizer.eos().first().copied()))?)
-            }
-            None => None,
-        };
+        let chat_template =
+            match tok_cfg.as_ref().and_then(|c| c.get("chat_template")).and_then(|v| v.as_str()) {
+                Some(src) => Some(template(src, &tokenizer)?),
+                None => None,
+            };
         let w = Weights::hf(dir, config.family)?;
         Self::build(config, tokenizer, chat_template, &w)
     }
@@ -292,24 +290,14 @@ impl Model {
             s.cache.check_room(s.tokens.len(), self.config.context_length)?;
         }
         let mut batch = Batch::new(seqs);
-        let tap_rows: Vec<usize> = batch
-            .seqs
-            .iter()
-            .zip(&batch.spans)
-            .flat_map(|(s, sp)| s.tap_rows.iter().map(move |r| sp.row0 + r))
-            .collect();
+        let tap_rows = batch.global_rows(|s| &s.tap_rows);
         let mut recorder = Taps::new(&taps.layers, tap_rows.clone());
         let hidden = match &self.arch {
             Arch::Llama(m) => m.forward(&mut batch, &mut recorder)?,
             Arch::Gemma3(m) => m.forward(&mut batch, &mut recorder)?,
         };
         let d = self.config.hidden;
-        let logit_rows: Vec<usize> = batch
-            .seqs
-            .iter()
-            .zip(&batch.spans)
-            .flat_map(|(s, sp)| s.logit_rows.iter().map(move |r| sp.row0 + r))
-            .collect();
+        let logit_rows = batch.global_rows(|s| &s.logit_rows);
         let mut picked = Vec::with_capacity(logit_rows.len() * d);
         for &r in &logit_rows {
             picked.extend_from_slice(&hidden[r * d..(r + 1) * d]);

@@ -19,10 +19,8 @@ pub enum SpecError {
     Draft(#[from] DraftError),
     #[error(transparent)]
     Sampling(#[from] SamplingError),
-    #[error("the prompt is empty; give at least one token")]
-    EmptyPrompt,
-    #[error("the prompt has {prompt} tokens but the model's context is {context}; shorten it")]
-    PromptTooLong { prompt: usize, context: usize },
+    #[error(transparent)]
+    Prompt(#[from] dspark_decode::DecodeError),
     #[error("draft length must be at least 1 (got 0); use the `none` drafter for plain decoding")]
     DraftLen,
 }
@@ -54,13 +52,7 @@ impl SpecSequence {
     /// Prefills the prompt (all but its last token) and starts the drafter.
     pub fn start(target: &Model, drafter: &mut dyn Drafter, prompt: &[u32], p: &SpecParams) -> Result<Self> {
         p.sampling.validate()?;
-        let context_len = target.config.context_length;
-        if prompt.is_empty() {
-            return Err(SpecError::EmptyPrompt);
-        }
-        if prompt.len() >= context_len {
-            return Err(SpecError::PromptTooLong { prompt: prompt.len(), context: context_len });
-        }
+        dspark_decode::check_prompt(target, prompt)?;
         let t0 = Instant::now();
         let mut cache = target.new_cache(prompt.len() + p.max_tokens + p.draft_len + 1);
         let taps = drafter.taps();
