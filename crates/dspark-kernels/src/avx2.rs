@@ -39,6 +39,16 @@ unsafe fn unpack<F: Fmt>(w: &PackedMatrix, i: usize) -> __m256i {
         return _mm256_loadu_si256(w.qs.as_ptr().add(i * 32) as *const __m256i);
     }
     let mut v = nibbles(w.qs.as_ptr().add(i * 16));
+    if F::SCALES == ScaleKind::K6 {
+        // Quarter q of the block takes its 2 high bits from bits 2q..2q+2 of each byte.
+        let h = _mm256_set1_epi64x((w.qh.as_ptr().add(i * 8) as *const i64).read_unaligned());
+        let h = _mm256_srlv_epi64(
+            _mm256_sllv_epi64(h, _mm256_set_epi64x(0, 0, 2, 4)),
+            _mm256_set_epi64x(2, 0, 0, 0),
+        );
+        v = _mm256_or_si256(v, _mm256_and_si256(h, _mm256_set1_epi8(0x30)));
+        return _mm256_sub_epi8(v, _mm256_set1_epi8(32));
+    }
     for pl in 0..F::PLANES {
         let bits = bits_to_bytes(w.qh.as_ptr().add((i * F::PLANES + pl) * 4));
         v = _mm256_or_si256(v, _mm256_and_si256(bits, _mm256_set1_epi8(0x10 << pl)));
@@ -88,7 +98,6 @@ impl Fmt for Q4K {
     const SCALES: ScaleKind = ScaleKind::K4;
 }
 impl Fmt for Q6K {
-    const BYTES: bool = true;
     const SCALES: ScaleKind = ScaleKind::K6;
 }
 
@@ -164,16 +173,17 @@ unsafe fn range<F: Fmt>(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out:
         // Register tiles of 4 activation rows, then 2, then 1: every row runs the same
         // arithmetic in the same order, so its result does not depend on its batch.
         let mut r0 = 0;
+        let k = F::SCALES != ScaleKind::F16;
         while r0 + 4 <= rows {
-            store(out, ldo, n, r0, tile::<F, 4>(w, n, x, r0));
+            store(out, ldo, n, r0, if k { tile_k::<F, 4>(w, n, x, r0) } else { tile::<F, 4>(w, n, x, r0) });
             r0 += 4;
         }
         if r0 + 2 <= rows {
-            store(out, ldo, n, r0, tile::<F, 2>(w, n, x, r0));
+            store(out, ldo, n, r0, if k { tile_k::<F, 2>(w, n, x, r0) } else { tile::<F, 2>(w, n, x, r0) });
             r0 += 2;
         }
         if r0 < rows {
-            store(out, ldo, n, r0, tile::<F, 1>(w, n, x, r0));
+            store(out, ldo, n, r0, if k { tile_k::<F, 1>(w, n, x, r0) } else { tile::<F, 1>(w, n, x, r0) });
         }
     }
 }
@@ -229,6 +239,63 @@ unsafe fn tile<F: Fmt, const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r
                     _mm256_broadcast_ss(&lo[r][j])
                 };
                 acc[j & 1][r] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p), acc[j & 1][r]);
+            }
+        }
+    }
+    let mut out = [0f32; R];
+    for r in 0..R {
+        out[r] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + hsum(macc[r]);
+    }
+    out
+}
+
+/// K-quant tile: activations share one scale per 256-value super-block, so a whole super-block
+/// is summed in integers — each block's small scale enters through the `madd` that widens the
+/// byte products (llama.cpp's Q8_K scheme) — and converted to float once. Per row and block this
+/// is a load, `maddubs`, `madd` and an add. Q4_K's offset term uses the per-block sums of the
+/// activation integers.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_k<F: Fmt, const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r0: usize) -> [f32; R] {
+    let nbp = w.nbp;
+    let kp = nbp * QK;
+    let mut acc = [[_mm256_setzero_ps(); R]; 2];
+    let mut macc = [_mm256_setzero_ps(); R];
+    let base = n * nbp;
+    for (t, g) in (0..nbp).step_by(8).enumerate() {
+        let gi = (base + g) / 8;
+        let mut isum = [_mm256_setzero_si256(); R];
+        for j in 0..8 {
+            let b = base + g + j;
+            let q = unpack::<F>(w, b);
+            let scv = if F::SCALES == ScaleKind::K6 {
+                let (lo, hi) = (*w.sc.get_unchecked(b) as i8 as i16, *w.mn.get_unchecked(b) as i8 as i16);
+                _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo))
+            } else {
+                _mm256_set1_epi16(*w.sc.get_unchecked(b) as i16)
+            };
+            let wa = if F::SIGNED { _mm256_sign_epi8(q, q) } else { q };
+            for r in 0..R {
+                let a = _mm256_loadu_si256(x.qs.as_ptr().add((r0 + r) * kp + (g + j) * QK) as *const __m256i);
+                let a = if F::SIGNED { _mm256_sign_epi8(a, q) } else { a };
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, a), scv));
+            }
+        }
+        let mnf = if F::SCALES == ScaleKind::K4 {
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                w.mn.as_ptr().add(gi * 8) as *const __m128i
+            )))
+        } else {
+            _mm256_setzero_ps()
+        };
+        for r in 0..R {
+            let xo = (r0 + r) * nbp + g;
+            let dx = *x.d.get_unchecked(xo);
+            let c = t & 1;
+            acc[c][r] =
+                _mm256_fmadd_ps(_mm256_set1_ps(w.gd[gi] * dx), _mm256_cvtepi32_ps(isum[r]), acc[c][r]);
+            if F::SCALES == ScaleKind::K4 {
+                let bs = _mm256_loadu_ps(x.bsum.as_ptr().add(xo));
+                macc[r] = _mm256_fmadd_ps(_mm256_mul_ps(mnf, bs), _mm256_set1_ps(-w.gmin[gi] * dx), macc[r]);
             }
         }
     }

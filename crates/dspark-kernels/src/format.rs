@@ -114,9 +114,11 @@ pub fn dequantize_row(format: QuantFormat, row: &[u8], out: &mut [f32]) {
     }
 }
 
-/// Activations quantized to 8 bits per 32-block, the partner of every weight format here.
-/// Rows are padded with zero blocks to `nbp` blocks (a multiple of 8) to match the packed
-/// weights. `s[b] = d[b]·Σq` lets the offset term of the "_1" formats cost one multiply per block.
+/// Activations quantized to 8 bits, the partner of every weight format here. Each run of
+/// `group` consecutive 32-value blocks shares one scale: 1 for the legacy formats, 8 (256
+/// values, llama.cpp's Q8_K) for K-quants, whose kernel then sums a whole super-block in
+/// integers. Rows are padded with zero blocks to `nbp` blocks (a multiple of 8) to match the
+/// packed weights.
 pub struct Q8Rows {
     pub rows: usize,
     pub k: usize,
@@ -124,42 +126,46 @@ pub struct Q8Rows {
     pub nbp: usize,
     /// `rows × nbp × 32`.
     pub qs: Vec<i8>,
-    /// `rows × nbp`.
+    /// Per block (`rows × nbp`): the scale, `d·Σq` (the offset term of "_1" formats costs one
+    /// multiply per block), and `Σq` itself.
     pub d: Vec<f32>,
     pub s: Vec<f32>,
+    pub bsum: Vec<f32>,
 }
 
 impl Q8Rows {
-    pub fn quantize(x: &[f32], rows: usize, k: usize, nbp: usize) -> Self {
+    pub fn quantize(x: &[f32], rows: usize, k: usize, nbp: usize, group: usize) -> Self {
         use rayon::prelude::*;
         debug_assert_eq!(x.len(), rows * k);
-        debug_assert!(nbp * QK >= k);
+        debug_assert!(nbp * QK >= k && (k / QK).is_multiple_of(group));
         let kp = nbp * QK;
         let mut qs = vec![0i8; rows * kp];
         let mut d = vec![0f32; rows * nbp];
         let mut s = vec![0f32; rows * nbp];
+        let mut bsum = vec![0f32; rows * nbp];
         // Rows are independent; batches quantize on all threads.
         if rows >= 4 {
             x.par_chunks(k)
                 .zip(qs.par_chunks_mut(kp))
-                .zip(d.par_chunks_mut(nbp).zip(s.par_chunks_mut(nbp)))
-                .for_each(|((x, q), (d, s))| quantize_blocks(x, q, d, s));
+                .zip(d.par_chunks_mut(nbp))
+                .zip(s.par_chunks_mut(nbp).zip(bsum.par_chunks_mut(nbp)))
+                .for_each(|(((x, q), d), (s, b))| quantize_row(x, q, d, s, b, group));
         } else {
-            for ((x, q), (d, s)) in
-                x.chunks(k).zip(qs.chunks_mut(kp)).zip(d.chunks_mut(nbp).zip(s.chunks_mut(nbp)))
-            {
-                quantize_blocks(x, q, d, s);
+            let rows_iter = x.chunks(k).zip(qs.chunks_mut(kp)).zip(d.chunks_mut(nbp));
+            for (((x, q), d), (s, b)) in rows_iter.zip(s.chunks_mut(nbp).zip(bsum.chunks_mut(nbp))) {
+                quantize_row(x, q, d, s, b, group);
             }
         }
-        Self { rows, k, nbp, qs, d, s }
+        Self { rows, k, nbp, qs, d, s, bsum }
     }
 }
 
-fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32]) {
-    for (b, (xb, qb)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
+fn quantize_row(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], bsum: &mut [f32], group: usize) {
+    let span = group * QK;
+    for (g, (xg, qg)) in x.chunks_exact(span).zip(qs.chunks_exact_mut(span)).enumerate() {
         // Lane-wise maxima so that the loop vectorises.
         let mut m = [0f32; 8];
-        for c in xb.chunks_exact(8) {
+        for c in xg.chunks_exact(8) {
             for l in 0..8 {
                 m[l] = m[l].max(c[l].abs());
             }
@@ -167,13 +173,17 @@ fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32]) {
         let amax = m.iter().fold(0f32, |a, &v| a.max(v));
         let db = amax / 127.0;
         let id = if db > 0.0 { 1.0 / db } else { 0.0 };
-        let mut sum = 0i32;
-        for (q, &v) in qb.iter_mut().zip(xb) {
-            let r = (v * id).round_ties_even() as i32;
-            *q = r as i8;
-            sum += r;
+        for (j, (xb, qb)) in xg.chunks_exact(QK).zip(qg.chunks_exact_mut(QK)).enumerate() {
+            let mut sum = 0i32;
+            for (q, &v) in qb.iter_mut().zip(xb) {
+                let r = (v * id).round_ties_even() as i32;
+                *q = r as i8;
+                sum += r;
+            }
+            let b = g * group + j;
+            d[b] = db;
+            s[b] = db * sum as f32;
+            bsum[b] = sum as f32;
         }
-        d[b] = db;
-        s[b] = db * sum as f32;
     }
 }

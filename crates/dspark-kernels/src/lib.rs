@@ -12,7 +12,7 @@ mod packed;
 
 pub use format::{decode_block, dequantize_row, Q8Rows, QuantFormat, QK};
 pub use linear::{KernelChoice, QLinear};
-pub use packed::PackedMatrix;
+pub use packed::{PackedMatrix, ScaleKind};
 
 use rayon::prelude::*;
 
@@ -46,7 +46,9 @@ pub fn matmul(w: &PackedMatrix, x: &[f32], m: usize, y: &mut [f32], simd: bool) 
     let simd = simd && avx2_available();
     for r0 in (0..m).step_by(MAX_BATCH_ROWS) {
         let rows = (m - r0).min(MAX_BATCH_ROWS);
-        let xq = Q8Rows::quantize(&x[r0 * k..(r0 + rows) * k], rows, k, w.nbp);
+        // K-quant kernels sum whole super-blocks in integers: one activation scale per 256.
+        let group = if w.scales == ScaleKind::F16 { 1 } else { 8 };
+        let xq = Q8Rows::quantize(&x[r0 * k..(r0 + rows) * k], rows, k, w.nbp, group);
         let out = OutPtr(y[r0 * n..].as_mut_ptr());
         // Enough chunks for two threads to balance, few enough that scheduling stays cheap.
         let chunk = (n / 32).clamp(8, 256);

@@ -29,10 +29,11 @@ pub struct PackedMatrix {
     pub nb: usize,
     pub nbp: usize,
     pub scales: ScaleKind,
-    /// Per block: 16 bytes of nibbles, or 32 signed bytes (Q8_0, and Q6_K: its 6-bit values
-    /// cost more to unpack from bit planes than their extra bytes cost to read).
+    /// Per block: 16 bytes of nibbles, or 32 signed bytes (Q8_0).
     pub qs: Vec<u8>,
-    /// Per block, `planes` u32 bit planes of the bits above the nibble (Q5: 1).
+    /// Per block, the bits above the nibble: Q5, one u32 bit plane (bit i → value i); Q6_K,
+    /// 8 bytes where byte l holds the 2-bit fields of values l, l + 8, l + 16, l + 24 at bits
+    /// 0–1, 2–3, 4–5, 6–7 (one 64-bit shift per quarter puts them in place).
     pub qh: Vec<u8>,
     pub planes: usize,
     /// `F16`: per block `d` (and `m`) as f16 bits.
@@ -91,6 +92,7 @@ impl PackedMatrix {
         };
         let planes = match format {
             QuantFormat::Q5_0 | QuantFormat::Q5_1 => 1,
+            QuantFormat::Q6K => 2,
             _ => 0,
         };
         let blocks = n * nbp;
@@ -117,7 +119,7 @@ impl PackedMatrix {
 
     /// Formats stored as one signed byte per value.
     pub fn bytes(format: QuantFormat) -> bool {
-        matches!(format, QuantFormat::Q8_0 | QuantFormat::Q6K)
+        format == QuantFormat::Q8_0
     }
 
     /// Repacks `n` rows of `k` values of GGUF data.
@@ -178,6 +180,12 @@ impl PackedMatrix {
             return;
         }
         pack_nibbles(v, &mut self.qs[i * 16..(i + 1) * 16]);
+        if self.format == QuantFormat::Q6K {
+            for l in 0..8 {
+                self.qh[i * 8 + l] = (0..4).fold(0u8, |acc, q| acc | (((v[8 * q + l] >> 4) & 3) << (2 * q)));
+            }
+            return;
+        }
         for pl in 0..self.planes {
             let o = (i * self.planes + pl) * 4;
             self.qh[o..o + 4].copy_from_slice(&plane(v, 4 + pl as u32));
@@ -243,11 +251,17 @@ impl PackedMatrix {
                 v[l] = byte & 0x0F;
                 v[l + 16] = byte >> 4;
             }
-            for pl in 0..self.planes {
-                let o = (i * self.planes + pl) * 4;
-                let m = u32::from_le_bytes(self.qh[o..o + 4].try_into().unwrap());
-                for (l, x) in v.iter_mut().enumerate() {
-                    *x |= (((m >> l) & 1) as u8) << (4 + pl);
+            if self.format == QuantFormat::Q6K {
+                for (e, x) in v.iter_mut().enumerate() {
+                    *x |= ((self.qh[i * 8 + e % 8] >> (2 * (e / 8))) & 3) << 4;
+                }
+            } else {
+                for pl in 0..self.planes {
+                    let o = (i * self.planes + pl) * 4;
+                    let m = u32::from_le_bytes(self.qh[o..o + 4].try_into().unwrap());
+                    for (l, x) in v.iter_mut().enumerate() {
+                        *x |= (((m >> l) & 1) as u8) << (4 + pl);
+                    }
                 }
             }
         }
