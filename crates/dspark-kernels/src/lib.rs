@@ -1,8 +1,10 @@
-//! Quantized matmul for the GGUF formats candle runs with a scalar loop (Q4_0, Q4_1, Q5_0, Q5_1,
-//! Q8_0): AVX2 dot products against 8-bit activations, detected at run time with a scalar
-//! fallback, and a small-batch path that reuses each unpacked weight block across up to 32 rows
-//! so that verifying k tokens does not cost k decodes. K-quants go to candle, whose x86 kernels
-//! are already fast.
+//! Quantized matmul for the GGUF formats our models use (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+//! Q6_K). candle runs the legacy formats with a scalar loop that does not speed up with batch
+//! size, so verifying k tokens would cost k decodes. Here weights are repacked once at load
+//! ([`PackedMatrix`]), activations are quantized to 8 bits, and AVX2 kernels (detected at run
+//! time, with a portable fallback) reuse each unpacked weight block across a register tile of
+//! activation rows. Every row runs the same arithmetic whatever its batch, so batching never
+//! changes a result.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
