@@ -121,8 +121,6 @@ impl GgufTokenizerSpec {
         };
         tok.add_special_tokens(added(TOKEN_TYPE_CONTROL)).map_err(backend)?;
         tok.add_tokens(added(TOKEN_TYPE_USER_DEFINED)).map_err(backend)?;
-        let mut plain = tok.clone();
-        plain.set_encode_special_tokens(true);
         let mut eos = Vec::new();
         for id in [self.eos, self.eot].into_iter().flatten() {
             if !eos.contains(&id) {
@@ -139,7 +137,7 @@ impl GgufTokenizerSpec {
                 }
             }
         }
-        Ok(Tokenizer::from_parts(tok, plain, self.bos, self.add_bos, eos, self.tokens.len()))
+        Ok(Tokenizer::from_parts(tok, self.bos, self.add_bos, eos, self.tokens.len()))
     }
 
     fn byte_level_bpe(&self) -> Result<HfTokenizer> {

@@ -52,22 +52,21 @@ impl Tokenizer {
 
     /// Loads a Hugging Face `tokenizer.json`; `bos`/`eos` come from the model's config.
     pub fn from_hf_file(path: &Path, bos: Option<u32>, eos: Vec<u32>, add_bos: bool) -> Result<Self> {
-        let with_special = HfTokenizer::from_file(path)
+        let tok = HfTokenizer::from_file(path)
             .map_err(|e| TokenizerError::Io { path: path.display().to_string(), msg: e.to_string() })?;
-        let mut plain = with_special.clone();
-        plain.set_encode_special_tokens(true);
-        let vocab_size = with_special.get_vocab_size(true);
-        Ok(Self { with_special, plain, bos, add_bos, eos, vocab_size })
+        let vocab_size = tok.get_vocab_size(true);
+        Ok(Self::from_parts(tok, bos, add_bos, eos, vocab_size))
     }
 
     pub(crate) fn from_parts(
         with_special: HfTokenizer,
-        plain: HfTokenizer,
         bos: Option<u32>,
         add_bos: bool,
         eos: Vec<u32>,
         vocab_size: usize,
     ) -> Self {
+        let mut plain = with_special.clone();
+        plain.set_encode_special_tokens(true);
         Self { with_special, plain, bos, add_bos, eos, vocab_size }
     }
 
