@@ -38,6 +38,11 @@ unsafe fn unpack<F: Fmt>(w: &PackedMatrix, i: usize) -> __m256i {
     if F::BYTES {
         return _mm256_loadu_si256(w.qs.as_ptr().add(i * 32) as *const __m256i);
     }
+    if F::SCALES == ScaleKind::K4 {
+        let x = _mm256_loadu_si256(w.qs.as_ptr().add((i / 2) * 32) as *const __m256i);
+        let x = if i % 2 == 0 { x } else { _mm256_srli_epi16(x, 4) };
+        return _mm256_and_si256(x, _mm256_set1_epi8(0x0F));
+    }
     let mut v = nibbles(w.qs.as_ptr().add(i * 16));
     if F::SCALES == ScaleKind::K6 {
         // Quarter q of the block takes its 2 high bits from bits 2q..2q+2 of each byte.
@@ -264,15 +269,22 @@ unsafe fn tile_k<F: Fmt, const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows,
     for (t, g) in (0..nbp).step_by(8).enumerate() {
         let gi = (base + g) / 8;
         let mut isum = [_mm256_setzero_si256(); R];
+        // The eight blocks' scales as i16, low halves in the low lane and high halves in the
+        // high lane (equal for Q4_K); block j's pair is then one byte shuffle away.
+        let sc16 = if F::SCALES == ScaleKind::K6 {
+            let lo = _mm_cvtepi8_epi16(_mm_loadl_epi64(w.sc.as_ptr().add(gi * 8) as *const __m128i));
+            let hi = _mm_cvtepi8_epi16(_mm_loadl_epi64(w.mn.as_ptr().add(gi * 8) as *const __m128i));
+            _mm256_set_m128i(hi, lo)
+        } else {
+            _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(
+                w.sc.as_ptr().add(gi * 8) as *const __m128i
+            )))
+        };
         for j in 0..8 {
             let b = base + g + j;
             let q = unpack::<F>(w, b);
-            let scv = if F::SCALES == ScaleKind::K6 {
-                let (lo, hi) = (*w.sc.get_unchecked(b) as i8 as i16, *w.mn.get_unchecked(b) as i8 as i16);
-                _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo))
-            } else {
-                _mm256_set1_epi16(*w.sc.get_unchecked(b) as i16)
-            };
+            let pick = (((2 * j + 1) << 8) | (2 * j)) as i16;
+            let scv = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(pick));
             let wa = if F::SIGNED { _mm256_sign_epi8(q, q) } else { q };
             for r in 0..R {
                 let a = _mm256_loadu_si256(x.qs.as_ptr().add((r0 + r) * kp + (g + j) * QK) as *const __m256i);

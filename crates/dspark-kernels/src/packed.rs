@@ -172,6 +172,15 @@ impl PackedMatrix {
     }
 
     fn put_ints(&mut self, i: usize, v: &[u8; 32]) {
+        if self.format == QuantFormat::Q4K {
+            // Q4_K keeps GGUF's pairing: 32 bytes per two blocks, the even block in the low
+            // nibbles and the odd one in the high nibbles, so one load serves both.
+            let shift = 4 * (i % 2);
+            for (dst, &x) in self.qs[(i / 2) * 32..][..32].iter_mut().zip(v) {
+                *dst |= (x & 0x0F) << shift;
+            }
+            return;
+        }
         if Self::bytes(self.format) {
             let bias = self.bias() as u8;
             for (dst, &x) in self.qs[i * 32..(i + 1) * 32].iter_mut().zip(v) {
@@ -244,6 +253,10 @@ impl PackedMatrix {
         if Self::bytes(self.format) {
             for (qi, &x) in q.iter_mut().zip(&self.qs[i * 32..(i + 1) * 32]) {
                 *qi = x as i8 as i32;
+            }
+        } else if self.format == QuantFormat::Q4K {
+            for (x, &byte) in v.iter_mut().zip(&self.qs[(i / 2) * 32..][..32]) {
+                *x = (byte >> (4 * (i % 2))) & 0x0F;
             }
         } else {
             for l in 0..16 {
