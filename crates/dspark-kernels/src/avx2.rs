@@ -40,7 +40,7 @@ unsafe fn unpack<F: Fmt>(w: &PackedMatrix, i: usize) -> __m256i {
     }
     if F::SCALES == ScaleKind::K4 {
         let x = _mm256_loadu_si256(w.qs.as_ptr().add((i / 2) * 32) as *const __m256i);
-        let x = if i % 2 == 0 { x } else { _mm256_srli_epi16(x, 4) };
+        let x = if i.is_multiple_of(2) { x } else { _mm256_srli_epi16(x, 4) };
         return _mm256_and_si256(x, _mm256_set1_epi8(0x0F));
     }
     let mut v = nibbles(w.qs.as_ptr().add(i * 16));
