@@ -44,16 +44,6 @@ unsafe fn unpack<F: Fmt>(w: &PackedMatrix, i: usize) -> __m256i {
         return _mm256_and_si256(x, _mm256_set1_epi8(0x0F));
     }
     let mut v = nibbles(w.qs.as_ptr().add(i * 16));
-    if F::SCALES == ScaleKind::K6 {
-        // Quarter q of the block takes its 2 high bits from bits 2q..2q+2 of each byte.
-        let h = _mm256_set1_epi64x((w.qh.as_ptr().add(i * 8) as *const i64).read_unaligned());
-        let h = _mm256_srlv_epi64(
-            _mm256_sllv_epi64(h, _mm256_set_epi64x(0, 0, 2, 4)),
-            _mm256_set_epi64x(2, 0, 0, 0),
-        );
-        v = _mm256_or_si256(v, _mm256_and_si256(h, _mm256_set1_epi8(0x30)));
-        return _mm256_sub_epi8(v, _mm256_set1_epi8(32));
-    }
     for pl in 0..F::PLANES {
         let bits = bits_to_bytes(w.qh.as_ptr().add((i * F::PLANES + pl) * 4));
         v = _mm256_or_si256(v, _mm256_and_si256(bits, _mm256_set1_epi8(0x10 << pl)));
@@ -104,6 +94,26 @@ impl Fmt for Q4K {
 }
 impl Fmt for Q6K {
     const SCALES: ScaleKind = ScaleKind::K6;
+}
+
+/// Block `j` of Q6_K super-block `g`, from GGUF's layout (see `PackedMatrix::pack_q6k`): the
+/// low nibbles and the high 2-bit fields each come from a 32-byte load shared with other blocks
+/// and one shift.
+#[inline(always)]
+unsafe fn unpack_q6k(w: &PackedMatrix, g: usize, j: usize) -> __m256i {
+    let (c, t) = (j / 4, j % 4);
+    let x = _mm256_loadu_si256(w.qs.as_ptr().add(g * 128 + 64 * c + 32 * (t % 2)) as *const __m256i);
+    let lo = _mm256_and_si256(if t < 2 { x } else { _mm256_srli_epi16(x, 4) }, _mm256_set1_epi8(0x0F));
+    let h = _mm256_loadu_si256(w.qh.as_ptr().add(g * 64 + 32 * c) as *const __m256i);
+    // Bits 2t..2t+2 of each byte to bits 4..6 (16-bit shifts; the mask drops what crossed bytes).
+    let h = match t {
+        0 => _mm256_slli_epi16(h, 4),
+        1 => _mm256_slli_epi16(h, 2),
+        2 => h,
+        _ => _mm256_srli_epi16(h, 2),
+    };
+    let v = _mm256_or_si256(lo, _mm256_and_si256(h, _mm256_set1_epi8(0x30)));
+    _mm256_sub_epi8(v, _mm256_set1_epi8(32))
 }
 
 /// The weight scales of the eight blocks of group `gi` (global group index): low halves, high
@@ -282,7 +292,7 @@ unsafe fn tile_k<F: Fmt, const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows,
         };
         for j in 0..8 {
             let b = base + g + j;
-            let q = unpack::<F>(w, b);
+            let q = if F::SCALES == ScaleKind::K6 { unpack_q6k(w, gi, j) } else { unpack::<F>(w, b) };
             let pick = (((2 * j + 1) << 8) | (2 * j)) as i16;
             let scv = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(pick));
             let wa = if F::SIGNED { _mm256_sign_epi8(q, q) } else { q };

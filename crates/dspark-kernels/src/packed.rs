@@ -189,12 +189,6 @@ impl PackedMatrix {
             return;
         }
         pack_nibbles(v, &mut self.qs[i * 16..(i + 1) * 16]);
-        if self.format == QuantFormat::Q6K {
-            for l in 0..8 {
-                self.qh[i * 8 + l] = (0..4).fold(0u8, |acc, q| acc | (((v[8 * q + l] >> 4) & 3) << (2 * q)));
-            }
-            return;
-        }
         for pl in 0..self.planes {
             let o = (i * self.planes + pl) * 4;
             self.qh[o..o + 4].copy_from_slice(&plane(v, 4 + pl as u32));
@@ -222,26 +216,17 @@ impl PackedMatrix {
     }
 
     fn pack_q6k(&mut self, g: usize, sb: &[u8]) {
-        // ql[128], qh[64], scales[16] (i8), d. Value e (0..256), 128-chunk c, w = e % 128,
-        // lane l = w % 32, quarter t = w / 32: low 4 bits from ql[64c + l + 32·(t % 2)] (low
-        // nibble for t < 2, high otherwise), 2 high bits from qh[32c + l] >> 2t; scale e / 16.
-        let (ql, qh, scales) = (&sb[..128], &sb[128..192], &sb[192..208]);
+        // Kept in GGUF's own layout, ql[128], qh[64] per super-block: value e, 128-chunk c,
+        // quarter t = (e % 128) / 32, lane l = e % 32 has its low 4 bits in
+        // ql[64c + 32·(t % 2) + l] (low nibble for t < 2, high otherwise) and its 2 high bits in
+        // qh[32c + l] at bit 2t, so one 32-byte load serves two or four blocks. Scales: e / 16.
+        self.qs[g * 128..(g + 1) * 128].copy_from_slice(&sb[..128]);
+        self.qh[g * 64..(g + 1) * 64].copy_from_slice(&sb[128..192]);
         self.gd[g] = f32_of(f16_bits(sb, 208));
-        let mut vals = [0u8; 256];
-        for (e, val) in vals.iter_mut().enumerate() {
-            let (c, w) = (e / 128, e % 128);
-            let (t, l) = (w / 32, w % 32);
-            let byte = ql[64 * c + l + 32 * (t % 2)];
-            let lo = if t < 2 { byte & 0x0F } else { byte >> 4 };
-            let hi = (qh[32 * c + l] >> (2 * t)) & 3;
-            *val = lo | (hi << 4);
-        }
+        let scales = &sb[192..208];
         for j in 0..8 {
-            let i = g * 8 + j;
-            self.sc[i] = scales[2 * j]; // i8 bits, read back as i8
-            self.mn[i] = scales[2 * j + 1];
-            let v: [u8; 32] = vals[32 * j..32 * (j + 1)].try_into().unwrap();
-            self.put_ints(i, &v);
+            self.sc[g * 8 + j] = scales[2 * j]; // i8 bits, read back as i8
+            self.mn[g * 8 + j] = scales[2 * j + 1];
         }
     }
 
@@ -265,8 +250,12 @@ impl PackedMatrix {
                 v[l + 16] = byte >> 4;
             }
             if self.format == QuantFormat::Q6K {
-                for (e, x) in v.iter_mut().enumerate() {
-                    *x |= ((self.qh[i * 8 + e % 8] >> (2 * (e / 8))) & 3) << 4;
+                let (g, j) = (i / 8, i % 8);
+                let (c, t) = (j / 4, j % 4);
+                for (l, x) in v.iter_mut().enumerate() {
+                    let lo = (self.qs[g * 128 + 64 * c + 32 * (t % 2) + l] >> (4 * (t / 2))) & 0x0F;
+                    let hi = (self.qh[g * 64 + 32 * c + l] >> (2 * t)) & 3;
+                    *x = lo | (hi << 4);
                 }
             } else {
                 for pl in 0..self.planes {
