@@ -39,11 +39,6 @@ impl KvCache {
         self.capacity
     }
 
-    /// Bytes held, for memory accounting.
-    pub fn bytes(&self) -> usize {
-        2 * self.k.len() * self.kv_heads * self.capacity * self.head_dim * 4
-    }
-
     /// Forgets every position from `len` on (rejected draft tokens). Growing is an error.
     pub fn truncate(&mut self, len: usize) -> Result<()> {
         if len > self.len {

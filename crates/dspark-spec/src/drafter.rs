@@ -42,15 +42,6 @@ impl Proposal {
     pub fn is_empty(&self) -> bool {
         self.tokens.is_empty()
     }
-
-    /// Keeps the first `n` tokens (a scheduler verifying a prefix only).
-    pub fn truncate(&mut self, n: usize) {
-        self.tokens.truncate(n);
-        self.dists.truncate(n);
-        if let Some(c) = &mut self.confidence {
-            c.truncate(n);
-        }
-    }
 }
 
 /// The target's hidden states for committed tokens, computed by the verify pass anyway.

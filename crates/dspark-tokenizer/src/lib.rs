@@ -107,12 +107,6 @@ impl Tokenizer {
         &self.eos
     }
 
-    pub fn add_eos(&mut self, id: u32) {
-        if !self.eos.contains(&id) {
-            self.eos.push(id);
-        }
-    }
-
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
     }
