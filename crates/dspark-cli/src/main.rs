@@ -113,8 +113,8 @@ pub struct DrafterArgs {
     /// The output is the same as plain decoding either way.
     #[arg(long, default_value = "none")]
     pub drafter: String,
-    /// γ: the most tokens drafted per round.
-    #[arg(long, default_value_t = 5)]
+    /// γ: the most tokens drafted per round (3 measured best on two cores; see docs/BENCHMARKS.md).
+    #[arg(long, default_value_t = 3)]
     pub draft_len: usize,
 }
 
