@@ -176,6 +176,7 @@ pub unsafe fn matmul_range(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, o
         QuantFormat::Q5_0 => range::<Q50>(w, x, n0, n1, out, ldo),
         QuantFormat::Q5_1 => range::<Q51>(w, x, n0, n1, out, ldo),
         QuantFormat::Q8_0 => range::<Q80>(w, x, n0, n1, out, ldo),
+        QuantFormat::Q4K if avx512_vnni() => range_q4k_512(w, x, n0, n1, out, ldo),
         QuantFormat::Q4K => range::<Q4K>(w, x, n0, n1, out, ldo),
         QuantFormat::Q6K => range::<Q6K>(w, x, n0, n1, out, ldo),
     }
@@ -319,6 +320,91 @@ unsafe fn tile_k<F: Fmt, const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows,
                 let bs = _mm256_loadu_ps(x.bsum.as_ptr().add(xo));
                 macc[r] = _mm256_fmadd_ps(_mm256_mul_ps(mnf, bs), _mm256_set1_ps(-w.gmin[gi] * dx), macc[r]);
             }
+        }
+    }
+    let mut out = [0f32; R];
+    for r in 0..R {
+        out[r] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + hsum(macc[r]);
+    }
+    out
+}
+
+/// AVX-512 VNNI, chosen once per machine (never per batch): the integer sums are exactly those
+/// of `tile_k`, so results are bit-identical to the AVX2 path.
+fn avx512_vnni() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        std::env::var("DSPARK_NO_AVX512").is_err()
+            && std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vnni")
+    })
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+unsafe fn range_q4k_512(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out: *mut f32, ldo: usize) {
+    let rows = x.rows;
+    for n in n0..n1 {
+        let mut r0 = 0;
+        while r0 + 4 <= rows {
+            store(out, ldo, n, r0, tile_q4k_512::<4>(w, n, x, r0));
+            r0 += 4;
+        }
+        if r0 + 2 <= rows {
+            store(out, ldo, n, r0, tile_q4k_512::<2>(w, n, x, r0));
+            r0 += 2;
+        }
+        if r0 < rows {
+            store(out, ldo, n, r0, tile_q4k_512::<1>(w, n, x, r0));
+        }
+    }
+}
+
+/// `tile_k` for Q4_K with two blocks per 512-bit register: the 32 bytes of a block pair give
+/// both blocks' values (low and high nibbles), `maddubs` + `dpwssd` multiply, widen, scale by
+/// each block's small scale and accumulate in one step each.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+unsafe fn tile_q4k_512<const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r0: usize) -> [f32; R] {
+    let nbp = w.nbp;
+    let kp = nbp * QK;
+    let mut acc = [[_mm256_setzero_ps(); R]; 2];
+    let mut macc = [_mm256_setzero_ps(); R];
+    let base = n * nbp;
+    let m4 = _mm256_set1_epi8(0x0F);
+    for (t, g) in (0..nbp).step_by(8).enumerate() {
+        let gi = (base + g) / 8;
+        let mut isum = [_mm512_setzero_si512(); R];
+        let sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(
+            w.sc.as_ptr().add(gi * 8) as *const __m128i
+        )));
+        for p in 0..4 {
+            let xq = _mm256_loadu_si256(w.qs.as_ptr().add((base + g) / 2 * 32 + p * 32) as *const __m256i);
+            let lo = _mm256_and_si256(xq, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(xq, 4), m4);
+            let q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            // i16 lanes 0–15 take block 2p's scale, lanes 16–31 block 2p + 1's.
+            let idx = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_set1_epi16((2 * p) as i16)),
+                _mm256_set1_epi16((2 * p + 1) as i16),
+                1,
+            );
+            let scv = _mm512_permutexvar_epi16(idx, sc16);
+            for r in 0..R {
+                let a = _mm512_loadu_si512(x.qs.as_ptr().add((r0 + r) * kp + (g + 2 * p) * QK) as *const _);
+                isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(q, a), scv);
+            }
+        }
+        let mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+            w.mn.as_ptr().add(gi * 8) as *const __m128i
+        )));
+        for r in 0..R {
+            let xo = (r0 + r) * nbp + g;
+            let dx = *x.d.get_unchecked(xo);
+            let s = _mm256_add_epi32(_mm512_castsi512_si256(isum[r]), _mm512_extracti64x4_epi64(isum[r], 1));
+            let c = t & 1;
+            acc[c][r] = _mm256_fmadd_ps(_mm256_set1_ps(w.gd[gi] * dx), _mm256_cvtepi32_ps(s), acc[c][r]);
+            let bs = _mm256_loadu_ps(x.bsum.as_ptr().add(xo));
+            macc[r] = _mm256_fmadd_ps(_mm256_mul_ps(mnf, bs), _mm256_set1_ps(-w.gmin[gi] * dx), macc[r]);
         }
     }
     let mut out = [0f32; R];
