@@ -178,6 +178,7 @@ pub unsafe fn matmul_range(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, o
         QuantFormat::Q8_0 => range::<Q80>(w, x, n0, n1, out, ldo),
         QuantFormat::Q4K if avx512_vnni() => range_q4k_512(w, x, n0, n1, out, ldo),
         QuantFormat::Q4K => range::<Q4K>(w, x, n0, n1, out, ldo),
+        QuantFormat::Q6K if avx512_vnni() => range_q6k_512(w, x, n0, n1, out, ldo),
         QuantFormat::Q6K => range::<Q6K>(w, x, n0, n1, out, ldo),
     }
 }
@@ -410,6 +411,92 @@ unsafe fn tile_q4k_512<const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r
     let mut out = [0f32; R];
     for r in 0..R {
         out[r] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + hsum(macc[r]);
+    }
+    out
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+unsafe fn range_q6k_512(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out: *mut f32, ldo: usize) {
+    let rows = x.rows;
+    for n in n0..n1 {
+        let mut r0 = 0;
+        while r0 + 4 <= rows {
+            store(out, ldo, n, r0, tile_q6k_512::<4>(w, n, x, r0));
+            r0 += 4;
+        }
+        if r0 + 2 <= rows {
+            store(out, ldo, n, r0, tile_q6k_512::<2>(w, n, x, r0));
+            r0 += 2;
+        }
+        if r0 < rows {
+            store(out, ldo, n, r0, tile_q6k_512::<1>(w, n, x, r0));
+        }
+    }
+}
+
+/// `tile_k` for Q6_K, two blocks per 512-bit register, from GGUF's layout: blocks 4c + {0, 1}
+/// are the low nibbles of 64 consecutive `ql` bytes, blocks 4c + {2, 3} their high nibbles;
+/// their 2-bit fields come from 32 `qh` bytes. Signed values (q − 32) take the sign trick:
+/// |w| × (a with w's sign).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+unsafe fn tile_q6k_512<const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r0: usize) -> [f32; R] {
+    let nbp = w.nbp;
+    let kp = nbp * QK;
+    let mut acc = [[_mm256_setzero_ps(); R]; 2];
+    let base = n * nbp;
+    let m4 = _mm512_set1_epi8(0x0F);
+    let m30 = _mm512_set1_epi8(0x30);
+    for (t, g) in (0..nbp).step_by(8).enumerate() {
+        let gi = (base + g) / 8;
+        let mut isum = [_mm512_setzero_si512(); R];
+        // i16 lanes 0–7: low-half scales of the eight blocks, 8–15: high-half scales.
+        let lo = _mm_cvtepi8_epi16(_mm_loadl_epi64(w.sc.as_ptr().add(gi * 8) as *const __m128i));
+        let hi = _mm_cvtepi8_epi16(_mm_loadl_epi64(w.mn.as_ptr().add(gi * 8) as *const __m128i));
+        let sc16 = _mm512_castsi256_si512(_mm256_set_m128i(hi, lo));
+        for c in 0..2 {
+            let ql = _mm512_loadu_si512(w.qs.as_ptr().add(gi * 128 + 64 * c) as *const _);
+            let qh = _mm256_loadu_si256(w.qh.as_ptr().add(gi * 64 + 32 * c) as *const __m256i);
+            for half in 0..2 {
+                let j = 4 * c + 2 * half;
+                let low = if half == 0 { ql } else { _mm512_srli_epi16(ql, 4) };
+                let high = if half == 0 {
+                    _mm512_inserti64x4(
+                        _mm512_castsi256_si512(_mm256_slli_epi16(qh, 4)),
+                        _mm256_slli_epi16(qh, 2),
+                        1,
+                    )
+                } else {
+                    _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1)
+                };
+                let v = _mm512_or_si512(_mm512_and_si512(low, m4), _mm512_and_si512(high, m30));
+                let q = _mm512_sub_epi8(v, _mm512_set1_epi8(32));
+                let wa = _mm512_abs_epi8(q);
+                let neg = _mm512_movepi8_mask(q);
+                let j16 = j as i16;
+                let idx = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16(8 + j16), _mm_set1_epi16(j16))),
+                    _mm256_set_m128i(_mm_set1_epi16(9 + j16), _mm_set1_epi16(1 + j16)),
+                    1,
+                );
+                let scv = _mm512_permutexvar_epi16(idx, sc16);
+                for r in 0..R {
+                    let a = _mm512_loadu_si512(x.qs.as_ptr().add((r0 + r) * kp + (g + j) * QK) as *const _);
+                    let a = _mm512_mask_sub_epi8(a, neg, _mm512_setzero_si512(), a);
+                    isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(wa, a), scv);
+                }
+            }
+        }
+        for r in 0..R {
+            let xo = (r0 + r) * nbp + g;
+            let dx = *x.d.get_unchecked(xo);
+            let s = _mm256_add_epi32(_mm512_castsi512_si256(isum[r]), _mm512_extracti64x4_epi64(isum[r], 1));
+            let c = t & 1;
+            acc[c][r] = _mm256_fmadd_ps(_mm256_set1_ps(w.gd[gi] * dx), _mm256_cvtepi32_ps(s), acc[c][r]);
+        }
+    }
+    let mut out = [0f32; R];
+    for r in 0..R {
+        out[r] = hsum(_mm256_add_ps(acc[0][r], acc[1][r]));
     }
     out
 }
