@@ -162,6 +162,28 @@ unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// Runs `$tile::<[$g,] R>(w, n, x, r0)` over register tiles of 4 activation rows, then 2, then 1,
+/// storing each row's result: every row runs the same arithmetic in the same order, so its
+/// result does not depend on its batch.
+macro_rules! row_tiles {
+    ($w:expr, $x:expr, $n0:expr, $n1:expr, $out:expr, $ldo:expr, $tile:ident $(, $g:ty)?) => {
+        for n in $n0..$n1 {
+            let mut r0 = 0;
+            while r0 + 4 <= $x.rows {
+                store($out, $ldo, n, r0, $tile::<$($g,)? 4>($w, n, $x, r0));
+                r0 += 4;
+            }
+            if r0 + 2 <= $x.rows {
+                store($out, $ldo, n, r0, $tile::<$($g,)? 2>($w, n, $x, r0));
+                r0 += 2;
+            }
+            if r0 < $x.rows {
+                store($out, $ldo, n, r0, $tile::<$($g,)? 1>($w, n, $x, r0));
+            }
+        }
+    };
+}
+
 /// Computes `out[r][n] = Σ_k x[r][k]·w[n][k]` for `n` in `n0..n1` and all rows of `x`.
 /// `out` is row-major with row stride `ldo`.
 ///
@@ -185,23 +207,10 @@ pub unsafe fn matmul_range(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, o
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn range<F: Fmt>(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out: *mut f32, ldo: usize) {
-    let rows = x.rows;
-    for n in n0..n1 {
-        // Register tiles of 4 activation rows, then 2, then 1: every row runs the same
-        // arithmetic in the same order, so its result does not depend on its batch.
-        let mut r0 = 0;
-        let k = F::SCALES != ScaleKind::F16;
-        while r0 + 4 <= rows {
-            store(out, ldo, n, r0, if k { tile_k::<F, 4>(w, n, x, r0) } else { tile::<F, 4>(w, n, x, r0) });
-            r0 += 4;
-        }
-        if r0 + 2 <= rows {
-            store(out, ldo, n, r0, if k { tile_k::<F, 2>(w, n, x, r0) } else { tile::<F, 2>(w, n, x, r0) });
-            r0 += 2;
-        }
-        if r0 < rows {
-            store(out, ldo, n, r0, if k { tile_k::<F, 1>(w, n, x, r0) } else { tile::<F, 1>(w, n, x, r0) });
-        }
+    if F::SCALES == ScaleKind::F16 {
+        row_tiles!(w, x, n0, n1, out, ldo, tile, F);
+    } else {
+        row_tiles!(w, x, n0, n1, out, ldo, tile_k, F);
     }
 }
 
@@ -344,21 +353,7 @@ fn avx512_vnni() -> bool {
 
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
 unsafe fn range_q4k_512(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out: *mut f32, ldo: usize) {
-    let rows = x.rows;
-    for n in n0..n1 {
-        let mut r0 = 0;
-        while r0 + 4 <= rows {
-            store(out, ldo, n, r0, tile_q4k_512::<4>(w, n, x, r0));
-            r0 += 4;
-        }
-        if r0 + 2 <= rows {
-            store(out, ldo, n, r0, tile_q4k_512::<2>(w, n, x, r0));
-            r0 += 2;
-        }
-        if r0 < rows {
-            store(out, ldo, n, r0, tile_q4k_512::<1>(w, n, x, r0));
-        }
-    }
+    row_tiles!(w, x, n0, n1, out, ldo, tile_q4k_512);
 }
 
 /// `tile_k` for Q4_K with two blocks per 512-bit register: the 32 bytes of a block pair give
@@ -417,21 +412,7 @@ unsafe fn tile_q4k_512<const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r
 
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
 unsafe fn range_q6k_512(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out: *mut f32, ldo: usize) {
-    let rows = x.rows;
-    for n in n0..n1 {
-        let mut r0 = 0;
-        while r0 + 4 <= rows {
-            store(out, ldo, n, r0, tile_q6k_512::<4>(w, n, x, r0));
-            r0 += 4;
-        }
-        if r0 + 2 <= rows {
-            store(out, ldo, n, r0, tile_q6k_512::<2>(w, n, x, r0));
-            r0 += 2;
-        }
-        if r0 < rows {
-            store(out, ldo, n, r0, tile_q6k_512::<1>(w, n, x, r0));
-        }
-    }
+    row_tiles!(w, x, n0, n1, out, ldo, tile_q6k_512);
 }
 
 /// `tile_k` for Q6_K, two blocks per 512-bit register, from GGUF's layout: blocks 4c + {0, 1}
