@@ -39,6 +39,24 @@ fn round_trip(m: &Model, name: &str) {
     }
 }
 
+/// `dspark generate --raw` greedy, as JSON.
+fn generate_raw(path: &std::path::Path, prompt: &str, max_tokens: usize) -> serde_json::Value {
+    let n = max_tokens.to_string();
+    dspark_json(&[
+        "generate",
+        "--model",
+        path.to_str().unwrap(),
+        "--raw",
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        &n,
+        "--temperature",
+        "0",
+        "--json",
+    ])
+}
+
 /// Gemma 3 has no llama.cpp goldens here: its SentencePiece tokenizer must round-trip, and the
 /// base model must continue an unmistakable sequence (this also runs its sliding-window layers).
 #[test]
@@ -46,17 +64,7 @@ fn gemma3_round_trips_and_continues_the_week() {
     let m = Model::load(&model("gemma3-270m")).unwrap();
     round_trip(&m, "gemma3-270m");
     let path = model("gemma3-270m");
-    let out = dspark_json(&[
-        "generate",
-        "--model",
-        path.to_str().unwrap(),
-        "--raw",
-        "--prompt",
-        "Monday, Tuesday, Wednesday, Thursday,",
-        "--max-tokens",
-        "6",
-        "--json",
-    ]);
+    let out = generate_raw(&path, "Monday, Tuesday, Wednesday, Thursday,", 6);
     let text = out["text"].as_str().unwrap();
     assert!(text.starts_with(" Friday, Saturday, Sunday"), "{text:?}");
 }
@@ -93,20 +101,7 @@ fn smollm2_greedy_matches_llama_cpp_or_flips_only_near_ties() {
     for g in golden("smollm2-135m") {
         let want = ids(&g["greedy_tokens"]);
         let text = g["prompt_text"].as_str().unwrap();
-        let n = want.len().to_string();
-        let out = dspark_json(&[
-            "generate",
-            "--model",
-            path.to_str().unwrap(),
-            "--raw",
-            "--prompt",
-            text,
-            "--max-tokens",
-            &n,
-            "--temperature",
-            "0",
-            "--json",
-        ]);
+        let out = generate_raw(&path, text, want.len());
         let mut got = ids(&out["tokens"]);
         if out["finish_reason"] == "stop" {
             got.push(*want.iter().find(|t| eos.contains(t)).unwrap_or(&eos[0]));

@@ -351,6 +351,14 @@ fn avx512_vnni() -> bool {
     })
 }
 
+/// Folds a super-block's 16 integer lanes to the 8 of the AVX2 tile (same sums) and adds them,
+/// scaled, to the row's float accumulator.
+#[inline(always)]
+unsafe fn add_super_block(acc: __m256, isum: __m512i, scale: f32) -> __m256 {
+    let s = _mm256_add_epi32(_mm512_castsi512_si256(isum), _mm512_extracti64x4_epi64(isum, 1));
+    _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(s), acc)
+}
+
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
 unsafe fn range_q4k_512(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out: *mut f32, ldo: usize) {
     row_tiles!(w, x, n0, n1, out, ldo, tile_q4k_512);
@@ -396,9 +404,7 @@ unsafe fn tile_q4k_512<const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r
         for r in 0..R {
             let xo = (r0 + r) * nbp + g;
             let dx = *x.d.get_unchecked(xo);
-            let s = _mm256_add_epi32(_mm512_castsi512_si256(isum[r]), _mm512_extracti64x4_epi64(isum[r], 1));
-            let c = t & 1;
-            acc[c][r] = _mm256_fmadd_ps(_mm256_set1_ps(w.gd[gi] * dx), _mm256_cvtepi32_ps(s), acc[c][r]);
+            acc[t & 1][r] = add_super_block(acc[t & 1][r], isum[r], w.gd[gi] * dx);
             let bs = _mm256_loadu_ps(x.bsum.as_ptr().add(xo));
             macc[r] = _mm256_fmadd_ps(_mm256_mul_ps(mnf, bs), _mm256_set1_ps(-w.gmin[gi] * dx), macc[r]);
         }
@@ -470,9 +476,7 @@ unsafe fn tile_q6k_512<const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r
         for r in 0..R {
             let xo = (r0 + r) * nbp + g;
             let dx = *x.d.get_unchecked(xo);
-            let s = _mm256_add_epi32(_mm512_castsi512_si256(isum[r]), _mm512_extracti64x4_epi64(isum[r], 1));
-            let c = t & 1;
-            acc[c][r] = _mm256_fmadd_ps(_mm256_set1_ps(w.gd[gi] * dx), _mm256_cvtepi32_ps(s), acc[c][r]);
+            acc[t & 1][r] = add_super_block(acc[t & 1][r], isum[r], w.gd[gi] * dx);
         }
     }
     let mut out = [0f32; R];
