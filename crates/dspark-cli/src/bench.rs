@@ -193,8 +193,8 @@ fn decode(
     max_tokens: usize,
     spec: &crate::DrafterArgs,
 ) -> Result<()> {
-    let model = m.load()?;
-    let mut drafter = spec.build(&model)?;
+    let model = std::sync::Arc::new(m.load()?);
+    let mut drafter = spec.build(&model, &m.name())?;
     let texts: Vec<String> = match prompts {
         Some(p) => read_prompts(p, n + 1)?,
         None => DEFAULT_PROMPTS.iter().take(n + 1).map(|s| s.to_string()).collect(),
@@ -207,7 +207,7 @@ fn decode(
     };
     let sp = dspark_spec::SpecParams {
         max_tokens,
-        draft_len: spec.draft_len,
+        draft_len: drafter.as_ref().map_or(1, |d| d.1),
         sampling: Default::default(),
         seed: 0,
         stop_tokens: params.stop_tokens.clone(),
@@ -219,7 +219,7 @@ fn decode(
         // Plain and speculative alternate prompt by prompt so that machine noise hits both.
         let g = dspark_decode::generate(&model, &prompt, &params, |_| {})?;
         let s = match drafter.as_mut() {
-            Some(d) => Some(dspark_spec::generate_spec(&model, d.as_mut(), &prompt, &sp, |_| {})?),
+            Some((d, _)) => Some(dspark_spec::generate_spec(&model, d.as_mut(), &prompt, &sp, |_| {})?),
             None => None,
         };
         if let Some(s) = &s {
@@ -251,8 +251,8 @@ fn decode(
     });
     if let Some(d) = &drafter {
         let spec_tok_s = stats.decode_tok_s();
-        out["drafter"] = d.name().into();
-        out["draft_len"] = spec.draft_len.into();
+        out["drafter"] = d.0.name().into();
+        out["draft_len"] = d.1.into();
         out["spec_tok_s"] = spec_tok_s.into();
         out["speedup"] = (spec_tok_s / plain_tok_s).into();
         out["tau"] = stats.tau().into();
@@ -261,8 +261,8 @@ fn decode(
         out["verify_s"] = stats.verify_s.into();
         eprintln!(
             "plain {plain_tok_s:.1} tok/s | {} γ={} {spec_tok_s:.1} tok/s ({:.2}×), τ {:.2}",
-            d.name(),
-            spec.draft_len,
+            d.0.name(),
+            d.1,
             spec_tok_s / plain_tok_s,
             stats.tau()
         );

@@ -6,6 +6,7 @@ mod bench;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use dspark_decode::{generate, GenerateParams};
+use dspark_drafter_models::{BlockLayout, HeadKind, InitOptions, Method};
 use dspark_drafters::{DraftModel, NgramDrafter};
 use dspark_model::Model;
 use dspark_sampling::SamplingParams;
@@ -13,6 +14,7 @@ use dspark_spec::{generate_spec, Drafter, SpecParams};
 use dspark_tokenizer::StreamDecoder;
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 #[derive(Parser)]
 #[command(
@@ -55,6 +57,10 @@ enum Cmd {
     },
     /// Generate text from a prompt, streaming it to the terminal.
     Generate(GenerateArgs),
+    /// Write a randomly initialised DFlash, DSpark or EAGLE-3 drafter for a target: what training
+    /// starts from (and what tests use). Output: a folder with config.json + model.safetensors in
+    /// the public DeepSpec/EAGLE-3 layout.
+    InitDrafter(InitDrafterArgs),
     /// Benchmarks that print figures (never timed tests).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -68,6 +74,16 @@ pub struct ModelArg {
 }
 
 impl ModelArg {
+    /// The name a drafter records for its target: the registry name, or the file's stem.
+    pub fn name(&self) -> String {
+        let p = std::path::Path::new(&self.model);
+        if p.exists() {
+            p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| self.model.clone())
+        } else {
+            self.model.clone()
+        }
+    }
+
     pub fn load(&self) -> Result<Model> {
         let path = dspark_hub::resolve(&self.model, true)?;
         Model::load(&path).with_context(|| format!("loading {}", path.display()))
@@ -108,31 +124,43 @@ struct GenerateArgs {
 
 #[derive(Args, Clone)]
 pub struct DrafterArgs {
-    /// Speculative drafter: `none` (plain decoding), `ngram` (prompt lookup) or
-    /// `draft:MODEL` (a small model with the same tokenizer, e.g. draft:qwen2.5-coder-0.5b).
-    /// The output is the same as plain decoding either way.
+    /// Speculative drafter: `none` (plain decoding), `ngram` (prompt lookup),
+    /// `draft:MODEL` (a small model with the same tokenizer, e.g. draft:qwen2.5-coder-0.5b), or a
+    /// drafter checkpoint folder as `dspark:PATH`, `dflash:PATH` or `eagle3:PATH` (see
+    /// `dspark init-drafter`). The output is the same as plain decoding either way.
     #[arg(long, default_value = "none")]
     pub drafter: String,
-    /// γ: the most tokens drafted per round (3 measured best on two cores; see docs/BENCHMARKS.md).
-    #[arg(long, default_value_t = 3)]
-    pub draft_len: usize,
+    /// γ: the most tokens drafted per round. Default: 3 for ngram and draft models (measured
+    /// best on two cores; see docs/BENCHMARKS.md), the checkpoint's block for network drafters.
+    #[arg(long)]
+    pub draft_len: Option<usize>,
 }
 
 impl DrafterArgs {
-    /// `None` for plain decoding.
-    pub fn build(&self, target: &Model) -> Result<Option<Box<dyn Drafter>>> {
-        if self.draft_len == 0 {
+    /// The drafter and γ; `None` for plain decoding.
+    pub fn build(&self, target: &Arc<Model>, target_name: &str) -> Result<Option<(Box<dyn Drafter>, usize)>> {
+        if self.draft_len == Some(0) {
             bail!("--draft-len must be at least 1; use --drafter none for plain decoding");
         }
-        Ok(match self.drafter.as_str() {
+        let gamma = self.draft_len.unwrap_or(3);
+        let (kind, arg) = self.drafter.split_once(':').unwrap_or((self.drafter.as_str(), ""));
+        Ok(match kind {
             "none" => None,
-            "ngram" => Some(Box::new(NgramDrafter::default())),
-            s if s.starts_with("draft:") => {
-                let name = &s["draft:".len()..];
-                let model = ModelArg { model: name.to_string() }.load()?;
-                Some(Box::new(DraftModel::new(model, name, target)?))
+            "ngram" => Some((Box::new(NgramDrafter::default()), gamma)),
+            "draft" => {
+                let model = ModelArg { model: arg.to_string() }.load()?;
+                Some((Box::new(DraftModel::new(model, arg, target)?), gamma))
             }
-            other => bail!("unknown drafter `{other}`; use none, ngram or draft:MODEL"),
+            "dflash" | "dspark" | "eagle3" => {
+                let method: Method = kind.parse()?;
+                let dir = std::path::Path::new(arg);
+                let d = dspark_drafters::load_network_drafter(method, dir, target.clone(), target_name)?;
+                let block = dspark_drafter_models::read_config(dir)?.gamma();
+                Some((d, self.draft_len.unwrap_or(block)))
+            }
+            other => bail!(
+                "unknown drafter `{other}`; use none, ngram, draft:MODEL, dspark:PATH, dflash:PATH or eagle3:PATH"
+            ),
         })
     }
 }
@@ -148,7 +176,7 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
-    let model = a.model.load()?;
+    let model = Arc::new(a.model.load()?);
     let prompt = prompt_tokens(&model, &a.prompt, a.raw)?;
     let params = GenerateParams {
         max_tokens: a.max_tokens,
@@ -156,7 +184,7 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         seed: a.seed,
         stop_tokens: model.tokenizer.eos().to_vec(),
     };
-    let drafter = a.spec.build(&model)?;
+    let drafter = a.spec.build(&model, &a.model.name())?;
     let mut stream = StreamDecoder::new(&model.tokenizer);
     let mut stdout = std::io::stdout();
     let mut emit = |t: u32| {
@@ -172,10 +200,10 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
             let g = generate(&model, &prompt, &params, &mut emit)?;
             (g.tokens, g.finish, serde_json::to_value(&g.stats)?)
         }
-        Some(mut d) => {
+        Some((mut d, gamma)) => {
             let sp = SpecParams {
                 max_tokens: params.max_tokens,
-                draft_len: a.spec.draft_len,
+                draft_len: gamma,
                 sampling: params.sampling,
                 seed: params.seed,
                 stop_tokens: params.stop_tokens.clone(),
@@ -212,6 +240,122 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
+#[derive(Args)]
+struct InitDrafterArgs {
+    /// The target model the drafter serves (name or path).
+    #[arg(long, default_value = dspark_hub::DEFAULT_MODEL)]
+    target: String,
+    /// dspark (backbone + sequential + confidence heads), dflash (backbone only) or eagle3.
+    #[arg(long, default_value = "dspark")]
+    method: String,
+    /// Draft decoder layers (EAGLE-3 always has one). One keeps drafting cheap on CPUs.
+    #[arg(long, default_value_t = 1)]
+    layers: usize,
+    /// γ: tokens drafted per round.
+    #[arg(long, default_value_t = 7)]
+    block: usize,
+    /// Rank r of DSpark's sequential head (W1: vocab × r, W2: draft vocab × r).
+    #[arg(long, default_value_t = 64)]
+    markov_rank: usize,
+    /// DSpark's sequential head: markov or rnn.
+    #[arg(long, default_value = "markov")]
+    head: String,
+    /// Reduced draft vocabulary: the V_d most frequent target tokens (frequencies from
+    /// --vocab-from, else the tokenizer's merge order). Cuts the drafter's LM-head cost; drafts stay
+    /// exact because verification sees the full-vocabulary distribution (zero outside).
+    #[arg(long)]
+    draft_vocab: Option<usize>,
+    /// Text or JSONL file whose tokens decide which tokens make the draft vocabulary.
+    #[arg(long)]
+    vocab_from: Option<PathBuf>,
+    /// Target layers whose hidden states the drafter reads, comma-separated (default: DFlash's
+    /// spread, five layers over [1, N−3]; three for EAGLE-3).
+    #[arg(long, value_delimiter = ',')]
+    target_layers: Option<Vec<usize>>,
+    /// The MASK token id of the block (default: an unused special token of the target).
+    #[arg(long)]
+    mask_token: Option<u32>,
+    /// Block layout: dspark (γ inputs → γ drafts) or dflash (the original: γ+1 inputs).
+    #[arg(long, default_value = "dspark")]
+    layout: String,
+    /// Standard deviation of the random weights.
+    #[arg(long, default_value_t = 0.02)]
+    init_std: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Output folder.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+fn token_counts(model: &Model, path: &std::path::Path) -> Result<std::collections::HashMap<u32, u64>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut counts = std::collections::HashMap::new();
+    for line in text.lines() {
+        // JSONL: every string value of the record; plain text: the line itself.
+        let pieces: Vec<String> = match serde_json::from_str::<serde_json::Value>(line) {
+            Ok(serde_json::Value::Object(o)) => {
+                o.values().filter_map(|v| v.as_str().map(str::to_string)).collect()
+            }
+            _ => vec![line.to_string()],
+        };
+        for p in pieces {
+            for t in model.tokenizer.encode(&p, false)? {
+                *counts.entry(t).or_insert(0) += 1;
+            }
+        }
+    }
+    Ok(counts)
+}
+
+fn run_init_drafter(a: InitDrafterArgs) -> Result<()> {
+    let target_arg = ModelArg { model: a.target.clone() };
+    let target = Arc::new(target_arg.load()?);
+    let method: Method = a.method.parse()?;
+    let draft_vocab = match a.draft_vocab {
+        None => None,
+        Some(n) => {
+            let counts = match &a.vocab_from {
+                Some(p) => token_counts(&target, p)?,
+                None => Default::default(),
+            };
+            Some(dspark_drafter_models::frequent_tokens(&target, &counts, n)?)
+        }
+    };
+    let layout = match a.layout.as_str() {
+        "dspark" => BlockLayout::Dspark,
+        "dflash" => BlockLayout::Dflash,
+        other => bail!("unknown layout `{other}`; use dspark or dflash"),
+    };
+    let head: HeadKind = a.head.parse()?;
+    let o = InitOptions {
+        method,
+        layers: a.layers,
+        gamma: a.block,
+        head,
+        rank: a.markov_rank,
+        draft_vocab,
+        target_layers: a.target_layers,
+        mask_token: a.mask_token,
+        layout,
+        std: a.init_std,
+        seed: a.seed,
+    };
+    let net = dspark_drafter_models::init(target, &target_arg.name(), &o)?;
+    net.save(&a.out)?;
+    let c = net.config();
+    eprintln!(
+        "wrote {} drafter to {} (target layers {:?}, γ {}, draft vocabulary {}{})",
+        method,
+        a.out.display(),
+        c.target_layer_ids,
+        c.gamma(),
+        c.draft_vocab(),
+        c.mask_token_id.map(|m| format!(", MASK id {m}")).unwrap_or_default()
+    );
+    Ok(())
+}
+
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Fetch { name } => {
@@ -238,6 +382,7 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Cmd::Generate(a) => run_generate(a)?,
+        Cmd::InitDrafter(a) => run_init_drafter(a)?,
         Cmd::Bench(b) => bench::run(b)?,
     }
     Ok(())

@@ -14,6 +14,8 @@ mod llama;
 pub mod ops;
 mod qwen2;
 mod qwen3;
+#[doc(hidden)]
+pub mod testing;
 mod weights;
 
 pub use batch::SeqInput;
@@ -256,9 +258,26 @@ impl Model {
         };
         let mut x = Vec::with_capacity(tokens.len() * self.config.hidden);
         for &t in tokens {
+            if t as usize >= self.config.vocab_size {
+                return Err(ModelError::Request(format!("token id {t} is outside the vocabulary")));
+            }
             x.extend(e.row(t as usize)?);
         }
         Ok(x)
+    }
+
+    /// Rows of the target's LM head (`ids.len() × hidden`, f32): a reduced draft vocabulary's
+    /// head is these rows.
+    pub fn lm_head_rows(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        let head = self.lm_head();
+        let mut w = Vec::with_capacity(ids.len() * self.config.hidden);
+        for &i in ids {
+            if i as usize >= head.out_dim() {
+                return Err(ModelError::Request(format!("token id {i} is outside the vocabulary")));
+            }
+            w.extend(head.row(i as usize)?);
+        }
+        Ok(w)
     }
 
     fn lm_head(&self) -> &QLinear {

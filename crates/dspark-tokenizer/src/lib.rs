@@ -99,6 +99,19 @@ impl Tokenizer {
         self.with_special.token_to_id(token)
     }
 
+    /// Special (control) tokens with their text, in id order.
+    pub fn special_tokens(&self) -> Vec<(u32, String)> {
+        let mut v: Vec<(u32, String)> = self
+            .with_special
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(i, t)| (i, t.content))
+            .collect();
+        v.sort();
+        v
+    }
+
     pub fn bos(&self) -> Option<u32> {
         self.bos
     }

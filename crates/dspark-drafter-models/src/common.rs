@@ -1,0 +1,252 @@
+//! Pieces every drafter network shares: decoder layers of the target's family, the draft
+//! vocabulary and LM head, and the target's embedding.
+
+use crate::config::DrafterConfig;
+use crate::nn::{Attention, Linear, Mlp};
+use crate::store::{Init, Initializer, Store};
+use crate::{DrafterError, Result};
+use candle_core::{DType, Device, Tensor};
+use dspark_model::{Family, Model};
+use std::sync::Arc;
+
+/// One tensor of a fresh checkpoint: name, shape and how it starts.
+pub type Spec = (String, Vec<usize>, Init);
+
+/// A pre-norm decoder layer (attention + SwiGLU) of the target's family.
+#[derive(Clone, Debug)]
+pub struct DecoderLayer {
+    pub attn: Attention,
+    pub input_norm: Tensor,
+    pub post_attention_norm: Tensor,
+    pub mlp: Mlp,
+    pub eps: f64,
+}
+
+/// Tensors of a decoder layer under `p` whose attention reads `attn_in` features.
+pub fn layer_specs(p: &str, c: &DrafterConfig, attn_in: usize, std: f32) -> Result<Vec<Spec>> {
+    let (d, hd) = (c.hidden_size, c.head_dim);
+    let (q, kv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+    let r = Init::Random(std);
+    let mut s: Vec<Spec> = vec![
+        (format!("{p}input_layernorm.weight"), vec![d], Init::Ones),
+        (format!("{p}self_attn.q_proj.weight"), vec![q, attn_in], r),
+        (format!("{p}self_attn.k_proj.weight"), vec![kv, attn_in], r),
+        (format!("{p}self_attn.v_proj.weight"), vec![kv, attn_in], r),
+        (format!("{p}self_attn.o_proj.weight"), vec![d, q], r),
+        (format!("{p}post_attention_layernorm.weight"), vec![d], Init::Ones),
+        (format!("{p}mlp.gate_proj.weight"), vec![c.intermediate_size, d], r),
+        (format!("{p}mlp.up_proj.weight"), vec![c.intermediate_size, d], r),
+        (format!("{p}mlp.down_proj.weight"), vec![d, c.intermediate_size], r),
+    ];
+    if c.attention_bias {
+        s.push((format!("{p}self_attn.q_proj.bias"), vec![q], Init::Zeros));
+        s.push((format!("{p}self_attn.k_proj.bias"), vec![kv], Init::Zeros));
+        s.push((format!("{p}self_attn.v_proj.bias"), vec![kv], Init::Zeros));
+    }
+    if c.family()? == Family::Qwen3 {
+        s.push((format!("{p}self_attn.q_norm.weight"), vec![hd], Init::Ones));
+        s.push((format!("{p}self_attn.k_norm.weight"), vec![hd], Init::Ones));
+    }
+    Ok(s)
+}
+
+pub fn init_all(init: &mut Initializer, specs: Vec<Spec>) -> Result<()> {
+    for (name, shape, how) in specs {
+        init.put(&name, &shape, how)?;
+    }
+    Ok(())
+}
+
+impl DecoderLayer {
+    pub fn load(s: &Store, p: &str, c: &DrafterConfig, attn_in: usize) -> Result<Self> {
+        let (d, hd) = (c.hidden_size, c.head_dim);
+        let (q, kv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+        let lin = |name: &str, out: usize, inp: usize| -> Result<Linear> {
+            let bias = if c.attention_bias && !name.ends_with("o_proj") && name.contains("self_attn") {
+                Some(s.get(&format!("{p}{name}.bias"), &[out])?)
+            } else {
+                None
+            };
+            Ok(Linear { weight: s.get(&format!("{p}{name}.weight"), &[out, inp])?, bias })
+        };
+        let qwen3 = c.family()? == Family::Qwen3;
+        let norm = |name: &str| s.get(&format!("{p}self_attn.{name}.weight"), &[hd]);
+        Ok(Self {
+            attn: Attention {
+                q: lin("self_attn.q_proj", q, attn_in)?,
+                k: lin("self_attn.k_proj", kv, attn_in)?,
+                v: lin("self_attn.v_proj", kv, attn_in)?,
+                o: lin("self_attn.o_proj", d, q)?,
+                q_norm: if qwen3 { Some(norm("q_norm")?) } else { None },
+                k_norm: if qwen3 { Some(norm("k_norm")?) } else { None },
+                n_heads: c.num_attention_heads,
+                n_kv_heads: c.num_key_value_heads,
+                head_dim: hd,
+                eps: c.rms_norm_eps,
+            },
+            input_norm: s.get(&format!("{p}input_layernorm.weight"), &[d])?,
+            post_attention_norm: s.get(&format!("{p}post_attention_layernorm.weight"), &[d])?,
+            mlp: Mlp {
+                gate: lin("mlp.gate_proj", c.intermediate_size, d)?,
+                up: lin("mlp.up_proj", c.intermediate_size, d)?,
+                down: lin("mlp.down_proj", d, c.intermediate_size)?,
+            },
+            eps: c.rms_norm_eps,
+        })
+    }
+}
+
+/// The draft vocabulary: the full target vocabulary, or `V_d` target ids (EAGLE-3's `d2t`).
+#[derive(Clone, Debug)]
+pub struct DraftVocab {
+    d2t: Option<Vec<u32>>,
+    full: usize,
+}
+
+impl DraftVocab {
+    pub fn new(d2t: Option<Vec<u32>>, full: usize) -> Result<Self> {
+        if let Some(ids) = &d2t {
+            let mut seen = vec![false; full];
+            for &t in ids {
+                if t as usize >= full || std::mem::replace(&mut seen[t as usize], true) {
+                    return Err(DrafterError::Checkpoint(format!(
+                        "d2t maps to token {t}, which is outside the target's {full} tokens or repeated"
+                    )));
+                }
+            }
+        }
+        Ok(Self { d2t, full })
+    }
+
+    /// From a checkpoint's `d2t` tensor (offsets: target id = draft id + d2t[draft id]).
+    pub fn load(s: &Store, c: &DrafterConfig) -> Result<Self> {
+        let Some(vd) = c.draft_vocab_size else { return Self::new(None, c.vocab_size) };
+        let t = s.raw("d2t").ok_or_else(|| {
+            DrafterError::Checkpoint(format!(
+                "config has draft_vocab_size {vd} but the checkpoint lacks `d2t`"
+            ))
+        })?;
+        if t.dims() != [vd] {
+            return Err(DrafterError::Checkpoint(format!("`d2t` has shape {:?}, expected [{vd}]", t.dims())));
+        }
+        let off = t.to_dtype(DType::I64)?.to_vec1::<i64>()?;
+        let ids = off.iter().enumerate().map(|(i, o)| (i as i64 + o) as u32).collect();
+        Self::new(Some(ids), c.vocab_size)
+    }
+
+    pub fn tensor(&self) -> Result<Option<Tensor>> {
+        let Some(ids) = &self.d2t else { return Ok(None) };
+        let off: Vec<i64> = ids.iter().enumerate().map(|(i, &t)| t as i64 - i as i64).collect();
+        Ok(Some(Tensor::from_vec(off, ids.len(), &Device::Cpu)?))
+    }
+
+    pub fn len(&self) -> usize {
+        self.d2t.as_ref().map_or(self.full, |d| d.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn full(&self) -> usize {
+        self.full
+    }
+
+    pub fn ids(&self) -> Option<&[u32]> {
+        self.d2t.as_deref()
+    }
+
+    pub fn to_target(&self, i: usize) -> u32 {
+        self.d2t.as_ref().map_or(i as u32, |d| d[i])
+    }
+
+    /// A distribution over the draft vocabulary as one over the whole target vocabulary (zero
+    /// outside it), which is what verification needs to stay exact.
+    pub fn scatter(&self, p: Vec<f64>) -> Vec<f64> {
+        match &self.d2t {
+            None => p,
+            Some(ids) => {
+                let mut full = vec![0f64; self.full];
+                for (&t, q) in ids.iter().zip(p) {
+                    full[t as usize] = q;
+                }
+                full
+            }
+        }
+    }
+}
+
+/// Turns final hidden states into draft-vocabulary logits.
+pub enum LmHead {
+    /// The target's own (quantized) head over the full vocabulary.
+    Target(Arc<Model>),
+    /// A dense `(V_d, hidden)` matrix: the target's rows for a reduced vocabulary, EAGLE-3's own
+    /// head, or a full-precision head for training.
+    Dense(Tensor),
+}
+
+impl LmHead {
+    /// The target's head restricted to `vocab`.
+    pub fn shared(target: &Arc<Model>, vocab: &DraftVocab) -> Result<Self> {
+        Ok(match vocab.ids() {
+            None => Self::Target(target.clone()),
+            Some(ids) => {
+                let rows = target.lm_head_rows(ids)?;
+                Self::Dense(Tensor::from_vec(rows, (ids.len(), target.config.hidden), &Device::Cpu)?)
+            }
+        })
+    }
+
+    /// `h`: `(n, hidden)` → `(n, V_d)`.
+    pub fn logits(&self, h: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Dense(w) => Ok(h.matmul(&w.t()?)?),
+            Self::Target(m) => {
+                let n = h.dim(0)?;
+                let x = h.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+                let y = m.lm_head_logits(&x, n)?;
+                Ok(Tensor::from_vec(y, (n, m.vocab_size()), &Device::Cpu)?)
+            }
+        }
+    }
+}
+
+/// The target's embeddings of `tokens`, `(n, hidden)`.
+pub fn embed(target: &Model, tokens: &[u32]) -> Result<Tensor> {
+    let e = target.embed(tokens)?;
+    Ok(Tensor::from_vec(e, (tokens.len(), target.config.hidden), &Device::Cpu)?)
+}
+
+/// Target features for `rows` committed positions, one `rows × hidden` slice per tapped layer,
+/// concatenated per row: `(rows, m·hidden)`.
+pub fn stack_taps(taps: &[Vec<f32>], rows: usize, d: usize, want: usize) -> Result<Tensor> {
+    if taps.len() != want || taps.iter().any(|t| t.len() != rows * d) {
+        return Err(DrafterError::Input(format!(
+            "expected {want} tapped layers of {rows} × {d} values, got {} of sizes {:?}",
+            taps.len(),
+            taps.iter().map(|t| t.len()).collect::<Vec<_>>()
+        )));
+    }
+    let parts: Vec<Tensor> = taps
+        .iter()
+        .map(|t| Tensor::from_slice(t, (rows, d), &Device::Cpu))
+        .collect::<candle_core::Result<_>>()?;
+    Ok(Tensor::cat(&parts, 1)?)
+}
+
+/// Appends `(k, v)` rows to an optional cache.
+pub fn append_kv(slot: &mut Option<(Tensor, Tensor)>, k: Tensor, v: Tensor) -> Result<()> {
+    *slot = Some(match slot.take() {
+        None => (k, v),
+        Some((k0, v0)) => (Tensor::cat(&[&k0, &k], 0)?, Tensor::cat(&[&v0, &v], 0)?),
+    });
+    Ok(())
+}
+
+/// Keys/values of the cache followed by new ones.
+pub fn with_new(slot: &Option<(Tensor, Tensor)>, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    Ok(match slot {
+        None => (k.clone(), v.clone()),
+        Some((k0, v0)) => (Tensor::cat(&[k0, k], 0)?, Tensor::cat(&[v0, v], 0)?),
+    })
+}

@@ -1,0 +1,254 @@
+//! `config.json` of a drafter checkpoint: the keys of the public DeepSpec/EAGLE-3 configs, plus
+//! our extensions under `"dspark"` (which those loaders ignore).
+
+use crate::{DrafterError, Result};
+use dspark_model::{Family, Model};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Method {
+    /// Parallel backbone only, trained with cross-entropy.
+    Dflash,
+    /// Parallel backbone + sequential head + confidence head.
+    Dspark,
+    /// One autoregressive layer over fused target features.
+    Eagle3,
+}
+
+impl std::str::FromStr for Method {
+    type Err = DrafterError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "dflash" => Ok(Self::Dflash),
+            "dspark" => Ok(Self::Dspark),
+            "eagle3" => Ok(Self::Eagle3),
+            other => {
+                Err(DrafterError::Config(format!("unknown method `{other}`; use dflash, dspark or eagle3")))
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Method {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Dflash => "dflash",
+            Self::Dspark => "dspark",
+            Self::Eagle3 => "eagle3",
+        })
+    }
+}
+
+/// DSpark's sequential head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HeadKind {
+    Markov,
+    Rnn,
+}
+
+impl std::str::FromStr for HeadKind {
+    type Err = DrafterError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "markov" => Ok(Self::Markov),
+            "rnn" => Ok(Self::Rnn),
+            other => Err(DrafterError::Config(format!("unknown head `{other}`; use markov or rnn"))),
+        }
+    }
+}
+
+/// Where the block's drafts come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum BlockLayout {
+    /// DSpark: γ inputs `[anchor, MASK × (γ−1)]`, slot k predicts the token after slot k.
+    #[default]
+    Dspark,
+    /// Original DFlash: `block_size` inputs, slot k ≥ 1 predicts the token at its own position
+    /// (γ = block_size − 1 drafts).
+    Dflash,
+}
+
+/// What a drafter was built for; checked against the target at load.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TargetId {
+    pub name: String,
+    pub family: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    /// sha256 of the target's token strings in id order: same ids, same text.
+    pub tokenizer_sha256: String,
+}
+
+impl TargetId {
+    pub fn of(target: &Model, name: &str) -> Self {
+        let mut vocab: Vec<(u32, String)> =
+            target.tokenizer.vocab().into_iter().map(|(s, i)| (i, s)).collect();
+        vocab.sort();
+        let mut h = Sha256::new();
+        for (i, s) in &vocab {
+            h.update(i.to_le_bytes());
+            h.update(s.as_bytes());
+            h.update([0]);
+        }
+        let c = &target.config;
+        Self {
+            name: name.to_string(),
+            family: family_name(c.family).to_string(),
+            vocab_size: c.vocab_size,
+            hidden_size: c.hidden,
+            num_layers: c.n_layers,
+            tokenizer_sha256: hex::encode(h.finalize()),
+        }
+    }
+}
+
+pub fn family_name(f: Family) -> &'static str {
+    match f {
+        Family::Llama => "llama",
+        Family::Qwen2 => "qwen2",
+        Family::Qwen3 => "qwen3",
+        Family::Gemma3 => "gemma3",
+    }
+}
+
+/// Our keys, absent from public checkpoints (then defaults are inferred from the tensors).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Extensions {
+    pub method: Method,
+    #[serde(default)]
+    pub head: Option<HeadKind>,
+    /// Rank r of the sequential head (Markov or RNN).
+    #[serde(default)]
+    pub head_rank: usize,
+    #[serde(default)]
+    pub confidence: bool,
+    #[serde(default)]
+    pub layout: BlockLayout,
+    /// Per-position temperatures of sequential temperature scaling, once fitted.
+    #[serde(default)]
+    pub calibration_temperatures: Option<Vec<f32>>,
+    #[serde(default)]
+    pub target: Option<TargetId>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DrafterConfig {
+    pub architectures: Vec<String>,
+    /// The target's family; draft layers are built like its decoder layers.
+    pub model_type: String,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    /// Draft decoder layers.
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub vocab_size: usize,
+    #[serde(default)]
+    pub attention_bias: bool,
+    /// DSpark layout: γ; DFlash layout: γ + 1. EAGLE-3: drafting steps per round.
+    pub block_size: usize,
+    #[serde(default)]
+    pub markov_rank: usize,
+    pub target_layer_ids: Vec<usize>,
+    #[serde(default)]
+    pub mask_token_id: Option<u32>,
+    /// Size of the reduced draft vocabulary (the `d2t` tensor), if any.
+    #[serde(default)]
+    pub draft_vocab_size: Option<usize>,
+    #[serde(default)]
+    pub dspark: Option<Extensions>,
+}
+
+impl DrafterConfig {
+    /// Our extensions, or what a public checkpoint implies.
+    pub fn ext(&self) -> Extensions {
+        self.dspark.clone().unwrap_or_else(|| {
+            let eagle = self.architectures.iter().any(|a| a.to_lowercase().contains("eagle"));
+            let dspark = self.markov_rank > 0;
+            Extensions {
+                method: if eagle {
+                    Method::Eagle3
+                } else if dspark {
+                    Method::Dspark
+                } else {
+                    Method::Dflash
+                },
+                head: dspark.then_some(HeadKind::Markov),
+                head_rank: self.markov_rank,
+                confidence: dspark,
+                layout: BlockLayout::Dspark,
+                calibration_temperatures: None,
+                target: None,
+            }
+        })
+    }
+
+    /// Drafts per round.
+    pub fn gamma(&self) -> usize {
+        match (self.ext().method, self.ext().layout) {
+            (Method::Eagle3, _) | (_, BlockLayout::Dspark) => self.block_size,
+            (_, BlockLayout::Dflash) => self.block_size.saturating_sub(1),
+        }
+    }
+
+    /// The draft vocabulary's size (the full target vocabulary when there is no `d2t`).
+    pub fn draft_vocab(&self) -> usize {
+        self.draft_vocab_size.unwrap_or(self.vocab_size)
+    }
+
+    pub fn family(&self) -> Result<Family> {
+        match self.model_type.as_str() {
+            "llama" => Ok(Family::Llama),
+            "qwen2" => Ok(Family::Qwen2),
+            "qwen3" => Ok(Family::Qwen3),
+            other => Err(DrafterError::Config(format!(
+                "drafters for `{other}` targets are not supported (llama, qwen2 and qwen3 are)"
+            ))),
+        }
+    }
+
+    /// Refuses a drafter made for another target, naming what differs.
+    pub fn check_target(&self, target: &Model, id: &TargetId) -> Result<()> {
+        let c = &target.config;
+        let mut bad = Vec::new();
+        if self.hidden_size != c.hidden {
+            bad.push(format!("hidden size {} vs the target's {}", self.hidden_size, c.hidden));
+        }
+        if self.vocab_size != c.vocab_size {
+            bad.push(format!("vocabulary {} vs the target's {}", self.vocab_size, c.vocab_size));
+        }
+        if let Some(&l) = self.target_layer_ids.iter().find(|&&l| l >= c.n_layers) {
+            bad.push(format!("target layer {l} but the target has {} layers", c.n_layers));
+        }
+        if self.model_type != family_name(c.family) {
+            bad.push(format!("family {} vs the target's {}", self.model_type, family_name(c.family)));
+        }
+        if let Some(want) = &self.ext().target {
+            if want.tokenizer_sha256 != id.tokenizer_sha256 {
+                bad.push("a different tokenizer".to_string());
+            }
+            if want.num_layers != id.num_layers {
+                bad.push(format!("{} target layers vs {}", want.num_layers, id.num_layers));
+            }
+        }
+        if bad.is_empty() {
+            return Ok(());
+        }
+        let made_for = self.ext().target.map(|t| format!(" (made for `{}`)", t.name)).unwrap_or_default();
+        Err(DrafterError::WrongTarget(format!(
+            "this drafter{made_for} does not fit target `{}`: {}; use a drafter built for this target \
+             (`dspark init-drafter --target {}` or train one)",
+            id.name,
+            bad.join(", "),
+            id.name
+        )))
+    }
+}

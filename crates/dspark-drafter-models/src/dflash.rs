@@ -1,0 +1,352 @@
+//! DFlash's parallel backbone with DSpark's sequential and confidence heads.
+//!
+//! ```text
+//! context rows:  H_ctx = RMSNorm(fc([h_l1; …; h_lm]))  → every layer's own k/v projections
+//!                (k-norm, RoPE at true positions), kept in a per-sequence cache
+//! block:         [anchor, MASK × (B−1)] at anchor_pos … → N layers (queries from the block,
+//!                keys/values over [context ; block], bidirectional in the block) → final norm
+//! drafts:        U_k = head(h_k); DSpark adds B(x_{k−1}) and samples left to right
+//! ```
+
+use crate::common::{
+    append_kv, embed, init_all, layer_specs, stack_taps, with_new, DecoderLayer, DraftVocab, LmHead, Spec,
+};
+use crate::config::{BlockLayout, DrafterConfig, HeadKind, Method};
+use crate::nn::{rms_norm, sigmoid, Linear, Rope};
+use crate::store::{Init, Store};
+use crate::{DrafterError, Result};
+use candle_core::{Device, Tensor, D};
+use dspark_model::Model;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// DSpark's sequential head: a bias on the draft logits that depends on the previous token.
+pub enum SeqHead {
+    /// `B(x) = W1[x] · W2ᵀ`.
+    Markov { w1: Tensor, w2: Tensor },
+    /// Gated recurrence over `[s; W1[x]; h]`, bias `W2 · tanh(o)`.
+    Rnn { w1: Tensor, cell: Linear, w2: Tensor, rank: usize },
+}
+
+impl SeqHead {
+    fn w1(&self) -> &Tensor {
+        match self {
+            Self::Markov { w1, .. } | Self::Rnn { w1, .. } => w1,
+        }
+    }
+
+    /// `W1` rows of the previous tokens, `(n, r)`.
+    pub fn embed_prev(&self, prev: &[u32]) -> Result<Tensor> {
+        let ids = Tensor::from_slice(prev, prev.len(), &Device::Cpu)?;
+        Ok(self.w1().index_select(&ids, 0)?)
+    }
+}
+
+/// The recurrent state of the RNN head between positions.
+pub fn rnn_step(
+    cell: &Linear,
+    w2: &Tensor,
+    rank: usize,
+    s: &Tensor,
+    e: &Tensor,
+    h: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let z = cell.forward(&Tensor::cat(&[s, e, h], D::Minus1)?)?;
+    let g = sigmoid(&z.narrow(D::Minus1, 0, rank)?)?;
+    let c = z.narrow(D::Minus1, rank, rank)?.tanh()?;
+    let o = z.narrow(D::Minus1, 2 * rank, rank)?.tanh()?;
+    let s_new = (g.mul(s)? + (1.0 - &g)?.mul(&c)?)?;
+    Ok((s_new, o.matmul(&w2.t()?)?))
+}
+
+/// Per-sequence context keys/values of every draft layer (committed rows only).
+#[derive(Clone, Default)]
+pub struct ContextCache {
+    kv: Vec<Option<(Tensor, Tensor)>>,
+    len: usize,
+}
+
+impl ContextCache {
+    /// Committed rows held: the context minus its last token (the anchor).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Layer `l`'s keys and values, `(len, kv_heads, head_dim)` each.
+    pub fn layer(&self, l: usize) -> Option<&(Tensor, Tensor)> {
+        self.kv.get(l).and_then(|x| x.as_ref())
+    }
+}
+
+/// What the heads made of one block, left to right.
+#[derive(Debug, Clone, Default)]
+pub struct DraftTrace {
+    /// Target token ids.
+    pub tokens: Vec<u32>,
+    /// Final logits over the draft vocabulary at each position (after the sequential bias).
+    pub logits: Vec<Vec<f32>>,
+    /// Calibrated survival probabilities, when the drafter has a confidence head.
+    pub confidence: Option<Vec<f32>>,
+}
+
+pub struct BlockModel {
+    pub config: DrafterConfig,
+    pub method: Method,
+    pub layout: BlockLayout,
+    target: Arc<Model>,
+    fc: Linear,
+    hidden_norm: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: Tensor,
+    head: Option<SeqHead>,
+    confidence: Option<Linear>,
+    pub vocab: DraftVocab,
+    lm_head: LmHead,
+    tensors: BTreeMap<String, Tensor>,
+}
+
+/// Every tensor of a DFlash/DSpark checkpoint (DeepSpec names; RNN head is our extension).
+pub fn specs(c: &DrafterConfig, std: f32) -> Result<Vec<Spec>> {
+    let (d, m) = (c.hidden_size, c.target_layer_ids.len());
+    let mut s: Vec<Spec> = vec![
+        ("fc.weight".into(), vec![d, m * d], Init::Random(std)),
+        ("hidden_norm.weight".into(), vec![d], Init::Ones),
+    ];
+    for i in 0..c.num_hidden_layers {
+        s.extend(layer_specs(&format!("layers.{i}."), c, d, std)?);
+    }
+    s.push(("norm.weight".into(), vec![d], Init::Ones));
+    let ext = c.ext();
+    let (v, vd, r) = (c.vocab_size, c.draft_vocab(), ext.head_rank);
+    match ext.head {
+        Some(HeadKind::Markov) => {
+            s.push(("markov_head.markov_w1".into(), vec![v, r], Init::Random(std)));
+            s.push(("markov_head.markov_w2".into(), vec![vd, r], Init::Random(std)));
+        }
+        Some(HeadKind::Rnn) => {
+            s.push(("rnn_head.rnn_w1".into(), vec![v, r], Init::Random(std)));
+            s.push(("rnn_head.cell.weight".into(), vec![3 * r, 2 * r + d], Init::Random(std)));
+            s.push(("rnn_head.cell.bias".into(), vec![3 * r], Init::Zeros));
+            s.push(("rnn_head.rnn_w2".into(), vec![vd, r], Init::Random(std)));
+        }
+        None => {}
+    }
+    if ext.confidence {
+        s.push(("confidence_head.proj.weight".into(), vec![1, d + r], Init::Random(std)));
+        s.push(("confidence_head.proj.bias".into(), vec![1], Init::Zeros));
+    }
+    Ok(s)
+}
+
+pub fn init(c: &DrafterConfig, std: f32, seed: u64) -> Result<BTreeMap<String, Tensor>> {
+    let mut i = crate::store::Initializer::new(seed);
+    init_all(&mut i, specs(c, std)?)?;
+    Ok(i.map)
+}
+
+impl BlockModel {
+    pub fn new(config: DrafterConfig, store: &Store, vocab: DraftVocab, target: Arc<Model>) -> Result<Self> {
+        let ext = config.ext();
+        if ext.method == Method::Eagle3 {
+            return Err(DrafterError::Config("an EAGLE-3 checkpoint is not a block drafter".into()));
+        }
+        if config.mask_token_id.is_none() {
+            return Err(DrafterError::Config("config lacks mask_token_id, which the block needs".into()));
+        }
+        if config.block_size < 1 + usize::from(ext.layout == BlockLayout::Dflash) {
+            return Err(DrafterError::Config(format!("block_size {} is too small", config.block_size)));
+        }
+        if vocab.len() != config.draft_vocab() {
+            return Err(DrafterError::Checkpoint("d2t and draft_vocab_size disagree".into()));
+        }
+        let (d, m, r) = (config.hidden_size, config.target_layer_ids.len(), ext.head_rank);
+        if m == 0 {
+            return Err(DrafterError::Config("target_layer_ids is empty".into()));
+        }
+        let (v, vd) = (config.vocab_size, config.draft_vocab());
+        let head = match ext.head {
+            Some(HeadKind::Markov) => Some(SeqHead::Markov {
+                w1: store.get("markov_head.markov_w1", &[v, r])?,
+                w2: store.get("markov_head.markov_w2", &[vd, r])?,
+            }),
+            Some(HeadKind::Rnn) => Some(SeqHead::Rnn {
+                w1: store.get("rnn_head.rnn_w1", &[v, r])?,
+                cell: Linear {
+                    weight: store.get("rnn_head.cell.weight", &[3 * r, 2 * r + d])?,
+                    bias: Some(store.get("rnn_head.cell.bias", &[3 * r])?),
+                },
+                w2: store.get("rnn_head.rnn_w2", &[vd, r])?,
+                rank: r,
+            }),
+            None => None,
+        };
+        let confidence = if ext.confidence {
+            if head.is_none() {
+                return Err(DrafterError::Config(
+                    "a confidence head needs a sequential head (its W1)".into(),
+                ));
+            }
+            Some(Linear {
+                weight: store.get("confidence_head.proj.weight", &[1, d + r])?,
+                bias: Some(store.get("confidence_head.proj.bias", &[1])?),
+            })
+        } else {
+            None
+        };
+        let layers = (0..config.num_hidden_layers)
+            .map(|i| DecoderLayer::load(store, &format!("layers.{i}."), &config, d))
+            .collect::<Result<_>>()?;
+        let lm_head = LmHead::shared(&target, &vocab)?;
+        // Keep exactly the drafter's own tensors for saving (a DeepSpec file also carries copies
+        // of the target's embedding and head, which we take from the target instead).
+        let tensors =
+            specs(&config, 0.0)?.into_iter().map(|(n, _, _)| (n.clone(), store.map()[&n].clone())).collect();
+        Ok(Self {
+            method: ext.method,
+            layout: ext.layout,
+            fc: Linear { weight: store.get("fc.weight", &[d, m * d])?, bias: None },
+            hidden_norm: store.get("hidden_norm.weight", &[d])?,
+            norm: store.get("norm.weight", &[d])?,
+            layers,
+            head,
+            confidence,
+            vocab,
+            lm_head,
+            target,
+            config,
+            tensors,
+        })
+    }
+
+    pub fn tensors(&self) -> &BTreeMap<String, Tensor> {
+        &self.tensors
+    }
+
+    pub fn target(&self) -> &Arc<Model> {
+        &self.target
+    }
+
+    /// Drafts per round.
+    pub fn gamma(&self) -> usize {
+        self.config.gamma()
+    }
+
+    /// Fuses target features of `rows` committed positions and appends their keys/values.
+    pub fn extend(&self, cache: &mut ContextCache, taps: &[Vec<f32>], rows: usize) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        let d = self.config.hidden_size;
+        let x = stack_taps(taps, rows, d, self.config.target_layer_ids.len())?;
+        let h = rms_norm(&self.fc.forward(&x)?, &self.hidden_norm, self.config.rms_norm_eps)?;
+        let positions: Vec<usize> = (cache.len..cache.len + rows).collect();
+        let rope = Rope::new(&positions, self.config.head_dim, self.config.rope_theta, &Device::Cpu)?;
+        cache.kv.resize(self.layers.len(), None);
+        for (layer, slot) in self.layers.iter().zip(cache.kv.iter_mut()) {
+            let (k, v) = layer.attn.keys_values(&h, &rope)?;
+            append_kv(slot, k, v)?;
+        }
+        cache.len += rows;
+        Ok(())
+    }
+
+    /// Runs one block per sequence (anchor after each cache's rows) and returns the final-norm
+    /// hidden states of the slots that make drafts, `(S·γ, hidden)`.
+    pub fn block_hidden(&self, seqs: &[(&ContextCache, u32)]) -> Result<Tensor> {
+        let b = self.config.block_size;
+        let mask = self.config.mask_token_id.expect("checked at load");
+        let mut tokens = Vec::with_capacity(seqs.len() * b);
+        let mut positions = Vec::with_capacity(seqs.len() * b);
+        for (cache, anchor) in seqs {
+            tokens.push(*anchor);
+            tokens.extend(std::iter::repeat_n(mask, b - 1));
+            positions.extend(cache.len..cache.len + b);
+        }
+        let rope = Rope::new(&positions, self.config.head_dim, self.config.rope_theta, &Device::Cpu)?;
+        let eps = self.config.rms_norm_eps;
+        let mut x = embed(&self.target, &tokens)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let h = rms_norm(&x, &layer.input_norm, eps)?;
+            let q = layer.attn.queries(&h, &rope)?;
+            let (k, v) = layer.attn.keys_values(&h, &rope)?;
+            let mut outs = Vec::with_capacity(seqs.len());
+            for (s, (cache, _)) in seqs.iter().enumerate() {
+                let rows = |t: &Tensor| t.narrow(0, s * b, b);
+                let empty = None;
+                let (kc, vc) = with_new(cache.kv.get(l).unwrap_or(&empty), &rows(&k)?, &rows(&v)?)?;
+                outs.push(layer.attn.attend(&rows(&q)?, &kc, &vc, None)?);
+            }
+            x = (x + layer.attn.o.forward(&Tensor::cat(&outs, 0)?)?)?;
+            let h = rms_norm(&x, &layer.post_attention_norm, eps)?;
+            x = (&x + layer.mlp.forward(&h)?)?;
+        }
+        let x = rms_norm(&x, &self.norm, eps)?;
+        // DSpark: slot k drafts the token after it; DFlash: slots 1.. draft their own position.
+        let skip = usize::from(self.layout == BlockLayout::Dflash);
+        let g = self.gamma();
+        let picked: Vec<Tensor> =
+            (0..seqs.len()).map(|s| x.narrow(0, s * b + skip, g)).collect::<candle_core::Result<_>>()?;
+        Ok(Tensor::cat(&picked, 0)?)
+    }
+
+    /// Draft-vocabulary logits before the sequential head, `(n, V_d)`.
+    pub fn raw_logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.lm_head.logits(hidden)
+    }
+
+    /// The sequential part for one sequence: positions `0..n` left to right, each biased by the
+    /// token chosen before it (`x_0` = the anchor). `choose` picks a draft-vocabulary index from
+    /// the final logits of position k.
+    pub fn draft(
+        &self,
+        hidden: &Tensor,
+        raw: &Tensor,
+        anchor: u32,
+        n: usize,
+        mut choose: impl FnMut(usize, &[f32]) -> Result<usize>,
+    ) -> Result<DraftTrace> {
+        let temps = self.config.ext().calibration_temperatures;
+        let mut out =
+            DraftTrace { confidence: self.confidence.as_ref().map(|_| Vec::new()), ..Default::default() };
+        let mut prev = anchor;
+        let mut state: Option<Tensor> = None;
+        for k in 0..n {
+            let h = hidden.narrow(0, k, 1)?;
+            let u = raw.narrow(0, k, 1)?;
+            let (logits, e) = match &self.head {
+                None => (u, None),
+                Some(head) => {
+                    let e = head.embed_prev(&[prev])?;
+                    let bias = match head {
+                        SeqHead::Markov { w2, .. } => e.matmul(&w2.t()?)?,
+                        SeqHead::Rnn { cell, w2, rank, .. } => {
+                            let s = match state.take() {
+                                Some(s) => s,
+                                None => Tensor::zeros((1, *rank), candle_core::DType::F32, &Device::Cpu)?,
+                            };
+                            let (s, bias) = rnn_step(cell, w2, *rank, &s, &e, &h)?;
+                            state = Some(s);
+                            bias
+                        }
+                    };
+                    ((u + bias)?, Some(e))
+                }
+            };
+            if let (Some(proj), Some(e), Some(conf)) = (&self.confidence, &e, out.confidence.as_mut()) {
+                let z = proj.forward(&Tensor::cat(&[&h, e], D::Minus1)?)?.flatten_all()?.to_vec1::<f32>()?[0];
+                let t = temps.as_ref().and_then(|t| t.get(k)).copied().unwrap_or(1.0);
+                conf.push(1.0 / (1.0 + (-z / t).exp()));
+            }
+            let row = logits.flatten_all()?.to_vec1::<f32>()?;
+            let idx = choose(k, &row)?;
+            prev = self.vocab.to_target(idx);
+            out.tokens.push(prev);
+            out.logits.push(row);
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,337 @@
+//! Drafter networks: DFlash's parallel backbone (with DSpark's sequential and confidence heads)
+//! and EAGLE-3, on candle tensors so that the same code drafts and trains. Checkpoints are a
+//! folder with `config.json` and `model.safetensors` in the public DeepSpec/EAGLE-3 layout.
+
+pub mod common;
+pub mod config;
+pub mod dflash;
+pub mod eagle3;
+pub mod nn;
+pub mod store;
+
+pub use common::{DraftVocab, LmHead};
+pub use config::{BlockLayout, DrafterConfig, Extensions, HeadKind, Method, TargetId};
+pub use dflash::{BlockModel, ContextCache, DraftTrace};
+pub use eagle3::{Eagle3Model, EagleCache};
+pub use store::Store;
+
+use candle_core::{Device, Tensor};
+use dspark_model::{Family, Model};
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::Arc;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DrafterError {
+    #[error("drafter checkpoint: {0}")]
+    Checkpoint(String),
+    #[error("drafter config: {0}")]
+    Config(String),
+    #[error("{0}")]
+    WrongTarget(String),
+    #[error("drafter input: {0}")]
+    Input(String),
+    #[error(transparent)]
+    Model(#[from] dspark_model::ModelError),
+    #[error("tensor error: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+pub type Result<T> = std::result::Result<T, DrafterError>;
+
+/// A loaded drafter network of either kind.
+pub enum DrafterNet {
+    Block(BlockModel),
+    Eagle3(Eagle3Model),
+}
+
+impl DrafterNet {
+    pub fn config(&self) -> &DrafterConfig {
+        match self {
+            Self::Block(m) => &m.config,
+            Self::Eagle3(m) => &m.config,
+        }
+    }
+
+    pub fn method(&self) -> Method {
+        self.config().ext().method
+    }
+
+    fn parts(&self) -> (&BTreeMap<String, Tensor>, &DraftVocab) {
+        match self {
+            Self::Block(m) => (m.tensors(), &m.vocab),
+            Self::Eagle3(m) => (m.tensors(), &m.vocab),
+        }
+    }
+
+    /// Writes `DIR/config.json` and `DIR/model.safetensors`.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        let (tensors, vocab) = self.parts();
+        save(dir, self.config(), tensors, vocab)
+    }
+}
+
+pub fn save(
+    dir: &Path,
+    config: &DrafterConfig,
+    tensors: &BTreeMap<String, Tensor>,
+    vocab: &DraftVocab,
+) -> Result<()> {
+    let io = |e: std::io::Error| DrafterError::Checkpoint(format!("cannot write {}: {e}", dir.display()));
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let mut all = tensors.clone();
+    if let Some(d2t) = vocab.tensor()? {
+        all.insert("d2t".into(), d2t);
+    }
+    // Write both files under temporary names first so that an interrupted save never leaves a
+    // checkpoint whose config and weights disagree.
+    let (cfg_tmp, st_tmp) = (dir.join("config.json.partial"), dir.join("model.safetensors.partial"));
+    std::fs::write(&cfg_tmp, serde_json::to_string_pretty(config).expect("config serialises")).map_err(io)?;
+    Store::save(&all, &st_tmp)?;
+    std::fs::rename(&st_tmp, dir.join("model.safetensors")).map_err(io)?;
+    std::fs::rename(&cfg_tmp, dir.join("config.json")).map_err(io)?;
+    Ok(())
+}
+
+/// Reads a checkpoint folder's config.
+pub fn read_config(dir: &Path) -> Result<DrafterConfig> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        DrafterError::Checkpoint(format!(
+            "cannot read {}: {e}; a drafter is a folder with config.json and model.safetensors \
+             (make one with `dspark init-drafter`)",
+            path.display()
+        ))
+    })?;
+    serde_json::from_str(&text).map_err(|e| DrafterError::Checkpoint(format!("{}: {e}", path.display())))
+}
+
+/// Loads a drafter for `target` (named `target_name` in messages), refusing one built for
+/// another target.
+pub fn load(dir: &Path, target: Arc<Model>, target_name: &str) -> Result<DrafterNet> {
+    let config = read_config(dir)?;
+    config.family()?;
+    config.check_target(&target, &TargetId::of(&target, target_name))?;
+    let store = Store::load(&dir.join("model.safetensors"))?;
+    from_store(config, &store, target)
+}
+
+/// Builds a drafter from named tensors (a checkpoint, a fresh initialisation, training variables).
+pub fn from_store(config: DrafterConfig, store: &Store, target: Arc<Model>) -> Result<DrafterNet> {
+    let vocab = DraftVocab::load(store, &config)?;
+    Ok(match config.ext().method {
+        Method::Eagle3 => DrafterNet::Eagle3(Eagle3Model::new(config, store, vocab, target)?),
+        _ => DrafterNet::Block(BlockModel::new(config, store, vocab, target)?),
+    })
+}
+
+/// How to build a fresh drafter.
+#[derive(Debug, Clone)]
+pub struct InitOptions {
+    pub method: Method,
+    /// Draft decoder layers (EAGLE-3 always has one).
+    pub layers: usize,
+    /// γ, the drafts per round.
+    pub gamma: usize,
+    pub head: HeadKind,
+    pub rank: usize,
+    /// Target ids of a reduced draft vocabulary.
+    pub draft_vocab: Option<Vec<u32>>,
+    pub target_layers: Option<Vec<usize>>,
+    pub mask_token: Option<u32>,
+    pub layout: BlockLayout,
+    /// Standard deviation of the random weights.
+    pub std: f32,
+    pub seed: u64,
+}
+
+impl Default for InitOptions {
+    fn default() -> Self {
+        Self {
+            method: Method::Dspark,
+            layers: 1,
+            gamma: 7,
+            head: HeadKind::Markov,
+            rank: 64,
+            draft_vocab: None,
+            target_layers: None,
+            mask_token: None,
+            layout: BlockLayout::Dspark,
+            std: 0.02,
+            seed: 0,
+        }
+    }
+}
+
+/// DFlash's spread of `m` target layers over `[1, N−3]`: `round(1 + i·(N−4)/(m−1))`.
+pub fn default_target_layers(n_layers: usize, m: usize) -> Vec<usize> {
+    if m <= 1 || n_layers < 5 {
+        return (0..m.min(n_layers.saturating_sub(1)).max(1)).collect();
+    }
+    let mut v: Vec<usize> = (0..m)
+        .map(|i| (1.0 + i as f64 * (n_layers as f64 - 4.0) / (m as f64 - 1.0)).round() as usize)
+        .collect();
+    v.dedup();
+    v
+}
+
+/// A dedicated MASK id: a special token the chat template never emits, preferring pad/reserved
+/// ones; its embedding is the target's, frozen.
+pub fn pick_mask_token(target: &Model) -> Result<u32> {
+    let tok = &target.tokenizer;
+    let chat = target.chat_prompt("hi").unwrap_or_default()
+        + &tok.eos().iter().map(|&e| tok.token_text(e).unwrap_or_default()).collect::<String>();
+    let reserved: Vec<(u32, String)> = tok
+        .special_tokens()
+        .into_iter()
+        .filter(|(i, s)| {
+            (*i as usize) < target.config.vocab_size
+                && Some(*i) != tok.bos()
+                && !tok.eos().contains(i)
+                && !chat.contains(s.as_str())
+        })
+        .collect();
+    let preferred = reserved.iter().rev().find(|(_, s)| {
+        let s = s.to_lowercase();
+        s.contains("pad") || s.contains("reserved") || s.contains("mask")
+    });
+    preferred.or(reserved.last()).map(|(i, _)| *i).ok_or_else(|| {
+        DrafterError::Config(
+            "the target has no unused special token to serve as MASK; pass --mask-token ID".into(),
+        )
+    })
+}
+
+/// The `n` most frequent target tokens by `counts` (ties and unseen tokens by id, which in BPE
+/// vocabularies roughly follows merge order, i.e. frequency), always with the end-of-sequence
+/// tokens; sorted by id.
+pub fn frequent_tokens(target: &Model, counts: &HashMap<u32, u64>, n: usize) -> Result<Vec<u32>> {
+    let v = target.config.vocab_size;
+    if n == 0 || n > v {
+        return Err(DrafterError::Config(format!("draft vocabulary size must be in 1..={v}, got {n}")));
+    }
+    let mut ids: Vec<u32> = (0..v as u32).collect();
+    ids.sort_by_key(|i| (std::cmp::Reverse(counts.get(i).copied().unwrap_or(0)), *i));
+    let mut keep: Vec<u32> = target.tokenizer.eos().iter().copied().filter(|&e| (e as usize) < v).collect();
+    for i in ids {
+        if keep.len() >= n {
+            break;
+        }
+        if !keep.contains(&i) {
+            keep.push(i);
+        }
+    }
+    keep.sort();
+    Ok(keep)
+}
+
+/// The config of a fresh drafter for `target`.
+pub fn init_config(target: &Model, target_name: &str, o: &InitOptions) -> Result<DrafterConfig> {
+    let c = &target.config;
+    if c.family == Family::Gemma3 {
+        return Err(DrafterError::Config(
+            "drafters for gemma3 targets are not supported yet (llama, qwen2 and qwen3 are)".into(),
+        ));
+    }
+    if o.gamma == 0 {
+        return Err(DrafterError::Config("the block must draft at least one token (--block ≥ 1)".into()));
+    }
+    if o.layers == 0 {
+        return Err(DrafterError::Config("a drafter needs at least one layer".into()));
+    }
+    let eagle = o.method == Method::Eagle3;
+    let layers = o
+        .target_layers
+        .clone()
+        .unwrap_or_else(|| default_target_layers(c.n_layers, if eagle { 3 } else { 5 }));
+    if let Some(&bad) = layers.iter().find(|&&l| l >= c.n_layers) {
+        return Err(DrafterError::Config(format!(
+            "target layer {bad} does not exist (the target has {})",
+            c.n_layers
+        )));
+    }
+    let dspark = o.method == Method::Dspark;
+    if dspark && o.rank == 0 {
+        return Err(DrafterError::Config("the sequential head needs a rank ≥ 1".into()));
+    }
+    let mask = if eagle {
+        None
+    } else {
+        Some(match o.mask_token {
+            Some(m) => m,
+            None => pick_mask_token(target)?,
+        })
+    };
+    if mask.is_some_and(|m| m as usize >= c.vocab_size) {
+        return Err(DrafterError::Config(format!("mask token {} is outside the vocabulary", mask.unwrap())));
+    }
+    let block_size = match (o.method, o.layout) {
+        (Method::Eagle3, _) | (_, BlockLayout::Dspark) => o.gamma,
+        (_, BlockLayout::Dflash) => o.gamma + 1,
+    };
+    let arch = match o.method {
+        Method::Dflash => "DFlashDraftModel",
+        Method::Dspark => "DSparkDraftModel",
+        Method::Eagle3 => "LlamaForCausalLMEagle3",
+    };
+    Ok(DrafterConfig {
+        architectures: vec![arch.into()],
+        model_type: config::family_name(c.family).into(),
+        hidden_size: c.hidden,
+        intermediate_size: c.intermediate,
+        num_hidden_layers: if eagle { 1 } else { o.layers },
+        num_attention_heads: c.n_heads,
+        num_key_value_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+        rms_norm_eps: shortest(c.rms_eps),
+        rope_theta: shortest(c.rope_theta),
+        vocab_size: c.vocab_size,
+        attention_bias: c.family == Family::Qwen2,
+        block_size,
+        markov_rank: if dspark && o.head == HeadKind::Markov { o.rank } else { 0 },
+        target_layer_ids: layers,
+        mask_token_id: mask,
+        draft_vocab_size: o.draft_vocab.as_ref().map(|v| v.len()),
+        dspark: Some(Extensions {
+            method: o.method,
+            head: dspark.then_some(o.head),
+            head_rank: if dspark { o.rank } else { 0 },
+            confidence: dspark,
+            layout: if eagle { BlockLayout::Dspark } else { o.layout },
+            calibration_temperatures: None,
+            target: Some(TargetId::of(target, target_name)),
+        }),
+    })
+}
+
+/// A randomly initialised drafter (what training starts from, and what tests use).
+pub fn init(target: Arc<Model>, target_name: &str, o: &InitOptions) -> Result<DrafterNet> {
+    let config = init_config(&target, target_name, o)?;
+    let vocab = DraftVocab::new(o.draft_vocab.clone(), target.config.vocab_size)?;
+    let map = match o.method {
+        Method::Eagle3 => {
+            let ids: Vec<u32> = match vocab.ids() {
+                Some(ids) => ids.to_vec(),
+                None => (0..target.config.vocab_size as u32).collect(),
+            };
+            let rows = target.lm_head_rows(&ids)?;
+            eagle3::init(
+                &config,
+                o.std,
+                o.seed,
+                Tensor::from_vec(rows, (ids.len(), target.config.hidden), &Device::Cpu)?,
+            )?
+        }
+        _ => dflash::init(&config, o.std, o.seed)?,
+    };
+    let mut map = map;
+    if let Some(d2t) = vocab.tensor()? {
+        map.insert("d2t".into(), d2t);
+    }
+    from_store(config, &Store::from_map(map, "a fresh initialisation"), target)
+}
+
+/// An f32 config value as the f64 with the same shortest decimal form (1e-5, not 9.99…e-6).
+fn shortest(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
+}

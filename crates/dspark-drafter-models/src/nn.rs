@@ -1,0 +1,210 @@
+//! The building blocks of every drafter, written from candle's basic ops only: candle's fused
+//! `softmax`/`rms_norm` have no backward pass, and the training code reuses these functions.
+
+use candle_core::{Device, Result, Tensor, D};
+
+/// `y = x · Wᵀ (+ b)` with `W` stored `(out, in)` as in PyTorch checkpoints.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = x.matmul(&self.weight.t()?)?;
+        match &self.bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+}
+
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(weight)
+}
+
+pub fn sigmoid(x: &Tensor) -> Result<Tensor> {
+    (x.neg()?.exp()? + 1.0)?.recip()
+}
+
+pub fn silu(x: &Tensor) -> Result<Tensor> {
+    x.mul(&sigmoid(x)?)
+}
+
+/// Softmax over the last axis; the max is detached (softmax does not depend on it).
+pub fn softmax(x: &Tensor) -> Result<Tensor> {
+    let m = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&m)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+}
+
+/// Rotary embedding in the Hugging Face "rotate half" layout, at explicit positions.
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    pub fn new(positions: &[usize], head_dim: usize, theta: f64, device: &Device) -> Result<Self> {
+        let half = head_dim / 2;
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for &p in positions {
+            for i in 0..half {
+                let angle = p as f64 * theta.powf(-2.0 * i as f64 / head_dim as f64);
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        let shape = (positions.len(), 1, half);
+        Ok(Self { cos: Tensor::from_vec(cos, shape, device)?, sin: Tensor::from_vec(sin, shape, device)? })
+    }
+
+    /// `x`: `(T, heads, head_dim)`.
+    pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        let half = x.dim(D::Minus1)? / 2;
+        let x1 = x.narrow(D::Minus1, 0, half)?;
+        let x2 = x.narrow(D::Minus1, half, half)?;
+        let a = (x1.broadcast_mul(&self.cos)? - x2.broadcast_mul(&self.sin)?)?;
+        let b = (x2.broadcast_mul(&self.cos)? + x1.broadcast_mul(&self.sin)?)?;
+        Tensor::cat(&[a, b], D::Minus1)
+    }
+}
+
+/// The attention half of a decoder layer of the target's family (q/k/v biases for Qwen2,
+/// per-head q/k RMSNorm for Qwen3).
+#[derive(Clone, Debug)]
+pub struct Attention {
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    pub q_norm: Option<Tensor>,
+    pub k_norm: Option<Tensor>,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub eps: f64,
+}
+
+impl Attention {
+    /// Queries of `x` (`T × in`) → `(T, heads, head_dim)`, normed and rotated.
+    pub fn queries(&self, x: &Tensor, rope: &Rope) -> Result<Tensor> {
+        let q = self.q.forward(x)?.reshape((x.dim(0)?, self.n_heads, self.head_dim))?;
+        let q = match &self.q_norm {
+            Some(w) => rms_norm(&q, w, self.eps)?,
+            None => q,
+        };
+        rope.apply(&q)
+    }
+
+    /// Keys and values of `x` → `(T, kv_heads, head_dim)` each, keys normed and rotated.
+    pub fn keys_values(&self, x: &Tensor, rope: &Rope) -> Result<(Tensor, Tensor)> {
+        let t = x.dim(0)?;
+        let k = self.k.forward(x)?.reshape((t, self.n_kv_heads, self.head_dim))?;
+        let k = match &self.k_norm {
+            Some(w) => rms_norm(&k, w, self.eps)?,
+            None => k,
+        };
+        let v = self.v.forward(x)?.reshape((t, self.n_kv_heads, self.head_dim))?;
+        Ok((rope.apply(&k)?, v))
+    }
+
+    /// Scaled dot-product attention of `q` over `k`/`v` (grouped heads), with an optional
+    /// additive mask `(Tq, Tk)`; returns `Tq × (heads·head_dim)` before the output projection.
+    pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+        let (tq, tk) = (q.dim(0)?, k.dim(0)?);
+        let rep = self.n_heads / self.n_kv_heads;
+        let expand = |x: &Tensor| -> Result<Tensor> {
+            let x = x.transpose(0, 1)?; // (kv_heads, Tk, hd)
+            x.unsqueeze(1)?.expand((self.n_kv_heads, rep, tk, self.head_dim))?.reshape((
+                self.n_heads,
+                tk,
+                self.head_dim,
+            ))
+        };
+        let q = q.transpose(0, 1)?.contiguous()?;
+        let (k, v) = (expand(k)?.contiguous()?, expand(v)?.contiguous()?);
+        let scores = (q.matmul(&k.t()?)? * (1.0 / (self.head_dim as f64).sqrt()))?;
+        let scores = match mask {
+            Some(m) => scores.broadcast_add(m)?,
+            None => scores,
+        };
+        let out = softmax(&scores)?.matmul(&v)?; // (heads, Tq, hd)
+        out.transpose(0, 1)?.reshape((tq, self.n_heads * self.head_dim))
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Mlp {
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+impl Mlp {
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.down.forward(&silu(&self.gate.forward(x)?)?.mul(&self.up.forward(x)?)?)
+    }
+}
+
+/// A causal mask `(Tq, past + Tq)`: query `i` sees keys `0 ..= past + i`.
+pub fn causal_mask(tq: usize, past: usize, device: &Device) -> Result<Tensor> {
+    let tk = past + tq;
+    let m: Vec<f32> = (0..tq)
+        .flat_map(|i| (0..tk).map(move |j| if j <= past + i { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    Tensor::from_vec(m, (tq, tk), device)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn softmax_and_rms_norm_match_closed_forms() {
+        let x = Tensor::new(&[[1f32, 2.0, 3.0]], &Device::Cpu).unwrap();
+        let p = softmax(&x).unwrap().to_vec2::<f32>().unwrap();
+        let z: f32 = [1f32, 2.0, 3.0].iter().map(|v| v.exp()).sum();
+        for (i, v) in [1f32, 2.0, 3.0].iter().enumerate() {
+            assert!((p[0][i] - v.exp() / z).abs() < 1e-6);
+        }
+        let w = Tensor::new(&[1f32, 1.0, 2.0], &Device::Cpu).unwrap();
+        let n = rms_norm(&x, &w, 0.0).unwrap().to_vec2::<f32>().unwrap();
+        let rms = (14f32 / 3.0).sqrt();
+        assert!((n[0][2] - 2.0 * 3.0 / rms).abs() < 1e-5);
+    }
+
+    #[test]
+    fn rope_rotates_pairs_half_apart_and_keeps_norms() {
+        let x = Tensor::new(&[[[1f32, 0.0, 0.0, 1.0]]], &Device::Cpu).unwrap(); // (1, 1, 4)
+        let r = Rope::new(&[3], 4, 10000.0, &Device::Cpu).unwrap();
+        let y = r.apply(&x).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        // Pair (x0, x2) rotates by 3 rad; pair (x1, x3) by 3·10000^(-1/2).
+        let (a, b) = (3f32, 3f32 / 100.0);
+        let want = [a.cos(), -b.sin(), a.sin(), b.cos()];
+        for (g, w) in y.iter().zip(want) {
+            assert!((g - w).abs() < 1e-6, "{y:?}");
+        }
+    }
+
+    #[test]
+    fn every_building_block_passes_gradients() {
+        use candle_core::Var;
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (3, 4), &dev).unwrap()).unwrap();
+        let w = Var::from_tensor(&Tensor::ones(4, candle_core::DType::F32, &dev).unwrap()).unwrap();
+        let r = Rope::new(&[0, 1, 2], 4, 100.0, &dev).unwrap();
+        let y = rms_norm(x.as_tensor(), w.as_tensor(), 1e-6).unwrap();
+        let y = silu(&softmax(&y).unwrap()).unwrap();
+        let y = r.apply(&y.reshape((3, 1, 4)).unwrap()).unwrap();
+        let loss = y.sqr().unwrap().sum_all().unwrap();
+        let g = loss.backward().unwrap();
+        for v in [&x, &w] {
+            let gv = g.get(v.as_tensor()).expect("a gradient");
+            assert!(gv.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0);
+        }
+    }
+}
