@@ -39,9 +39,9 @@ pub fn layer_specs(p: &str, c: &DrafterConfig, attn_in: usize, std: f32) -> Resu
         (format!("{p}mlp.down_proj.weight"), vec![d, c.intermediate_size], r),
     ];
     if c.attention_bias {
-        s.push((format!("{p}self_attn.q_proj.bias"), vec![q], Init::Zeros));
-        s.push((format!("{p}self_attn.k_proj.bias"), vec![kv], Init::Zeros));
-        s.push((format!("{p}self_attn.v_proj.bias"), vec![kv], Init::Zeros));
+        s.push((format!("{p}self_attn.q_proj.bias"), vec![q], r));
+        s.push((format!("{p}self_attn.k_proj.bias"), vec![kv], r));
+        s.push((format!("{p}self_attn.v_proj.bias"), vec![kv], r));
     }
     if c.family()? == Family::Qwen3 {
         s.push((format!("{p}self_attn.q_norm.weight"), vec![hd], Init::Ones));

@@ -130,14 +130,14 @@ pub fn specs(c: &DrafterConfig, std: f32) -> Result<Vec<Spec>> {
         Some(HeadKind::Rnn) => {
             s.push(("rnn_head.rnn_w1".into(), vec![v, r], Init::Random(std)));
             s.push(("rnn_head.cell.weight".into(), vec![3 * r, 2 * r + d], Init::Random(std)));
-            s.push(("rnn_head.cell.bias".into(), vec![3 * r], Init::Zeros));
+            s.push(("rnn_head.cell.bias".into(), vec![3 * r], Init::Random(std)));
             s.push(("rnn_head.rnn_w2".into(), vec![vd, r], Init::Random(std)));
         }
         None => {}
     }
     if ext.confidence {
         s.push(("confidence_head.proj.weight".into(), vec![1, d + r], Init::Random(std)));
-        s.push(("confidence_head.proj.bias".into(), vec![1], Init::Zeros));
+        s.push(("confidence_head.proj.bias".into(), vec![1], Init::Random(std)));
     }
     Ok(s)
 }
@@ -203,8 +203,10 @@ impl BlockModel {
         let lm_head = LmHead::shared(&target, &vocab)?;
         // Keep exactly the drafter's own tensors for saving (a DeepSpec file also carries copies
         // of the target's embedding and head, which we take from the target instead).
-        let tensors =
-            specs(&config, 0.0)?.into_iter().map(|(n, _, _)| (n.clone(), store.map()[&n].clone())).collect();
+        let tensors = specs(&config, 0.0)?
+            .into_iter()
+            .map(|(n, shape, _)| Ok((n.clone(), store.get(&n, &shape)?)))
+            .collect::<Result<_>>()?;
         Ok(Self {
             method: ext.method,
             layout: ext.layout,

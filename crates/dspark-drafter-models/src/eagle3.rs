@@ -95,8 +95,10 @@ impl Eagle3Model {
         if m == 0 {
             return Err(DrafterError::Config("target_layer_ids is empty".into()));
         }
-        let tensors =
-            specs(&config, 0.0)?.into_iter().map(|(n, _, _)| (n.clone(), store.map()[&n].clone())).collect();
+        let tensors = specs(&config, 0.0)?
+            .into_iter()
+            .map(|(n, shape, _)| Ok((n.clone(), store.get(&n, &shape)?)))
+            .collect::<Result<_>>()?;
         Ok(Self {
             fc: Linear { weight: store.get("fc.weight", &[d, m * d])?, bias: None },
             layer: DecoderLayer::load(store, "midlayer.", &config, 2 * d)?,
