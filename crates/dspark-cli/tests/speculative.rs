@@ -3,50 +3,11 @@
 
 mod common;
 
-use dspark_decode::{generate, GenerateParams};
+use common::{math_and_code, plain, spec};
 use dspark_drafters::{DraftModel, NgramDrafter};
 use dspark_model::{Model, SeqInput, TapSpec};
 use dspark_sampling::{Sampler, SamplingParams};
-use dspark_spec::{generate_spec, verify, DraftDist, Drafter, SpecParams};
-
-fn bench_prompts(file: &str, field: &str, n: usize) -> Vec<String> {
-    let p = common::shared().join("data/bench").join(file);
-    std::fs::read_to_string(p)
-        .unwrap()
-        .lines()
-        .take(n)
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()[field].as_str().unwrap().to_string())
-        .collect()
-}
-
-/// 50 GSM8K and 50 MBPP prompts through the chat template.
-fn math_and_code(m: &Model, n_each: usize) -> Vec<Vec<u32>> {
-    let mut texts = bench_prompts("gsm8k-test.jsonl", "question", n_each);
-    texts.extend(bench_prompts("mbpp-test.jsonl", "text", n_each));
-    texts.iter().map(|t| m.tokenizer.encode(&m.chat_prompt(t).unwrap(), true).unwrap()).collect()
-}
-
-fn plain(m: &Model, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
-    let p = GenerateParams {
-        max_tokens,
-        sampling: SamplingParams::default(),
-        seed: 0,
-        stop_tokens: m.tokenizer.eos().to_vec(),
-    };
-    generate(m, prompt, &p, |_| {}).unwrap().tokens
-}
-
-fn spec(m: &Model, d: &mut dyn Drafter, prompt: &[u32], max_tokens: usize, gamma: usize) -> (Vec<u32>, f64) {
-    let p = SpecParams {
-        max_tokens,
-        draft_len: gamma,
-        sampling: SamplingParams::default(),
-        seed: 0,
-        stop_tokens: m.tokenizer.eos().to_vec(),
-    };
-    let r = generate_spec(m, d, prompt, &p, |_| {}).unwrap();
-    (r.tokens, r.stats.tau())
-}
+use dspark_spec::{generate_spec, verify, DraftDist, SpecParams};
 
 #[test]
 fn greedy_ngram_output_is_plain_greedy_output_on_100_prompts() {
@@ -123,12 +84,6 @@ fn greedy_qwen_pair_output_is_plain_greedy_output_on_100_prompts() {
     }
 }
 
-/// Upper critical value of χ² with `k` degrees of freedom at p = 0.001 (Wilson–Hilferty).
-fn chi2_critical(k: f64) -> f64 {
-    let z = 3.090; // one-sided 0.1 %
-    k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3)
-}
-
 #[test]
 fn sampled_verification_follows_real_smollm2_distributions() {
     let m = Model::load(&common::model("smollm2-135m")).unwrap();
@@ -168,36 +123,8 @@ fn sampled_verification_follows_real_smollm2_distributions() {
             accepted += verdict.accepted;
             counts[first as usize] += 1;
         }
-        // χ² over tokens with expected count ≥ 5; the rest pooled into one bin.
-        let (mut chi2, mut bins, mut pool_e, mut pool_o) = (0.0, 0usize, 0.0, 0.0);
-        for t in 0..v {
-            let e = pt[t] * n as f64;
-            if e >= 5.0 {
-                chi2 += (counts[t] as f64 - e).powi(2) / e;
-                bins += 1;
-            } else {
-                pool_e += e;
-                pool_o += counts[t] as f64;
-            }
-        }
-        if pool_e >= 5.0 {
-            chi2 += (pool_o - pool_e).powi(2) / pool_e;
-            bins += 1;
-        } else {
-            assert!(
-                pool_o <= 5.0 + 3.0 * pool_e.sqrt() + 5.0,
-                "case {ci}: {pool_o} draws outside the target's support"
-            );
-        }
-        let outside: usize = (0..v).filter(|&t| pt[t] == 0.0).map(|t| counts[t]).sum();
-        assert_eq!(outside, 0, "case {ci}: tokens the target gives probability 0 were committed");
-        let crit = chi2_critical((bins - 1) as f64);
-        eprintln!(
-            "case {ci}: χ² {chi2:.1} on {} dof (critical {crit:.1}), acceptance {:.2}",
-            bins - 1,
-            accepted as f64 / n as f64
-        );
-        assert!(chi2 < crit, "case {ci}: χ² {chi2} ≥ {crit}");
+        common::chi2_check(&counts, &pt, n, &format!("case {ci}"));
+        eprintln!("case {ci}: acceptance {:.2}", accepted as f64 / n as f64);
         assert!((accepted as f64 / n as f64) < 0.9, "the drafter should be poor");
     }
 }

@@ -65,7 +65,11 @@ fn features(rows: usize, layers: usize, salt: u32) -> Vec<Vec<f32>> {
 /// A Python interpreter that can import NumPy: the system's, or NumPy pip-installed once into
 /// the test scratch directory.
 fn numpy_python() -> (String, Option<PathBuf>) {
-    let ok = Command::new("python3").args(["-c", "import numpy"]).stderr(std::process::Stdio::null()).status().is_ok_and(|s| s.success());
+    let ok = Command::new("python3")
+        .args(["-c", "import numpy"])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
     if ok {
         return ("python3".into(), None);
     }
