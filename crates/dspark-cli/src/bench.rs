@@ -43,6 +43,30 @@ pub enum BenchCmd {
         #[command(flatten)]
         spec: crate::DrafterArgs,
     },
+    /// Cost of one drafting round (DFlash, DSpark with Markov and RNN heads, EAGLE-3; randomly
+    /// initialised: cost does not depend on the weights) per γ and draft vocabulary, next to the
+    /// target's single-token forward and its verify forward of γ+1 tokens, on this machine.
+    Draft {
+        #[command(flatten)]
+        model: ModelArg,
+        /// Committed positions before each round.
+        #[arg(long, default_value_t = 256)]
+        context: usize,
+        /// Block lengths γ to time, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "3,7,15")]
+        gammas: Vec<usize>,
+        /// Draft vocabularies to time: `full` or a size V_d, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "full,8192")]
+        vocabs: Vec<String>,
+        /// Draft layers of the DFlash/DSpark backbone.
+        #[arg(long, default_value_t = 1)]
+        layers: usize,
+        /// Timed rounds per case (the median is reported).
+        #[arg(long, default_value_t = 15)]
+        reps: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// Quantized matmul throughput, dspark's kernels against candle's, on random weights.
     Kernels {
         /// Timed repetitions per case.
@@ -55,6 +79,9 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
     match cmd {
         BenchCmd::Forward { model, context, reps, json } => forward(&model, context, reps, json),
         BenchCmd::Kernels { reps } => kernels(reps),
+        BenchCmd::Draft { model, context, gammas, vocabs, layers, reps, json } => {
+            draft(&model, context, &gammas, &vocabs, layers, reps, json)
+        }
         BenchCmd::Decode { model, prompts, n, max_tokens, spec } => {
             decode(&model, prompts.as_deref(), n, max_tokens, &spec)
         }
@@ -105,6 +132,149 @@ fn forward(m: &ModelArg, context: usize, reps: usize, json: bool) -> Result<()> 
         for (k, s) in rows {
             println!("{k:>4} {:>10.2} {:>10.1} {:>15.2}×", s * 1e3, k as f64 / s, s / (k as f64 * single));
         }
+    }
+    Ok(())
+}
+
+/// Median seconds of `reps` calls after one warm-up.
+fn time(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let mut t = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        f()?;
+        t.push(t0.elapsed().as_secs_f64());
+    }
+    Ok(median(t))
+}
+
+fn draft(
+    m: &ModelArg,
+    context: usize,
+    gammas: &[usize],
+    vocabs: &[String],
+    layers: usize,
+    reps: usize,
+    json: bool,
+) -> Result<()> {
+    use dspark_drafter_models::{HeadKind, InitOptions, Method};
+    use dspark_spec::{Drafter, TargetFeatures};
+    let target = std::sync::Arc::new(m.load()?);
+    let name = m.name();
+    let prompt: Vec<u32> = (0..context as u32 + 1).map(|i| 100 + i % 1000).collect();
+    let mut cache = target.new_cache(context + 64);
+    dspark_decode::prefill(&target, &mut cache, &prompt[..context])?;
+    let target_ms = |k: usize, cache: &mut dspark_model::KvCache| -> Result<f64> {
+        let block: Vec<u32> = (0..k as u32).map(|i| 200 + i).collect();
+        Ok(time(reps, || {
+            target.forward(&mut [SeqInput::logits_all(cache, &block)], &TapSpec::default())?;
+            cache.truncate(context)?;
+            Ok(())
+        })? * 1e3)
+    };
+    let single = target_ms(1, &mut cache)?;
+    // Target features for the context, once per set of tapped layers.
+    let features = |layers: &[usize]| -> Result<TargetFeatures> {
+        let mut c = target.new_cache(context);
+        let seq = SeqInput {
+            cache: &mut c,
+            tokens: &prompt[..context],
+            logit_rows: vec![],
+            tap_rows: (0..context).collect(),
+        };
+        let out = target.forward(&mut [seq], &TapSpec { layers: layers.to_vec(), final_norm: false })?.remove(0);
+        Ok(TargetFeatures { rows: context, taps: out.taps, final_norm: None })
+    };
+    let methods = [
+        ("dflash", Method::Dflash, HeadKind::Markov),
+        ("dspark-markov", Method::Dspark, HeadKind::Markov),
+        ("dspark-rnn", Method::Dspark, HeadKind::Rnn),
+        ("eagle3", Method::Eagle3, HeadKind::Markov),
+    ];
+    let greedy = dspark_sampling::SamplingParams::default();
+    let mut rows = Vec::new();
+    let mut feats: std::collections::HashMap<Vec<usize>, TargetFeatures> = Default::default();
+    if !json {
+        println!(
+            "target {name}  context {context}  threads {}  draft layers {layers}  (median of {reps})",
+            rayon_threads()
+        );
+        println!("target forward: 1 token {single:.2} ms");
+        println!(
+            "{:<14} {:>3} {:>7} {:>10} {:>12} {:>14} {:>10}",
+            "method", "γ", "V_d", "draft ms", "vs 1 token", "verify γ+1 ms", "feed 4 ms"
+        );
+    }
+    for &gamma in gammas {
+        let verify = target_ms(gamma + 1, &mut cache)?;
+        for v in vocabs {
+            let draft_vocab = match v.as_str() {
+                "full" => None,
+                n => {
+                    let n: usize = n.parse().with_context(|| format!("--vocabs: `{n}` is not full or a number"))?;
+                    Some(dspark_drafter_models::frequent_tokens(&target, &Default::default(), n)?)
+                }
+            };
+            for &(label, method, head) in &methods {
+                let o = InitOptions {
+                    method,
+                    head,
+                    layers,
+                    gamma,
+                    draft_vocab: draft_vocab.clone(),
+                    layout: dspark_drafter_models::BlockLayout::Dspark,
+                    ..Default::default()
+                };
+                let net = dspark_drafter_models::init(target.clone(), &name, &o)?;
+                let taps = net.config().target_layer_ids.clone();
+                let mut d: Box<dyn Drafter> = match method {
+                    Method::Eagle3 => Box::new(dspark_drafters::Eagle3Drafter::from_net(net, label)?),
+                    _ => Box::new(dspark_drafters::BlockDrafter::from_net(net, label)?),
+                };
+                if !feats.contains_key(&taps) {
+                    feats.insert(taps.clone(), features(&taps)?);
+                }
+                let f = &feats[&taps];
+                // Rows 0..context-4 form the prompt; the last four are fed as one round's commit.
+                let head_rows = |a: usize, b: usize| TargetFeatures {
+                    rows: b - a,
+                    taps: f.taps.iter().map(|t| t[a * target.config.hidden..b * target.config.hidden].to_vec()).collect(),
+                    final_norm: None,
+                };
+                // Feeding one round's commit (4 rows) to a drafter that holds the rest.
+                let mut fed = Vec::with_capacity(reps);
+                for _ in 0..reps {
+                    d.begin(&prompt[..context - 3], &head_rows(0, context - 4), 0)?;
+                    let t = Instant::now();
+                    d.observe(&prompt[..context + 1], 3, &head_rows(context - 4, context))?;
+                    fed.push(t.elapsed().as_secs_f64());
+                }
+                let feed4 = median(fed);
+                let ms = time(reps, || {
+                    d.propose(&prompt[..context + 1], gamma, &greedy)?;
+                    Ok(())
+                })? * 1e3;
+                let vd = draft_vocab.as_ref().map_or(target.vocab_size(), |v| v.len());
+                if !json {
+                    println!(
+                        "{label:<14} {gamma:>3} {vd:>7} {ms:>10.2} {:>11.2}× {verify:>14.2} {:>10.2}",
+                        ms / single,
+                        feed4 * 1e3
+                    );
+                }
+                rows.push(serde_json::json!({
+                    "method": label, "gamma": gamma, "draft_vocab": vd, "draft_ms": ms,
+                    "vs_target_token": ms / single, "verify_ms": verify, "feed4_ms": feed4 * 1e3,
+                }));
+            }
+        }
+    }
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"model": m.model, "context": context, "threads": rayon_threads(),
+                "draft_layers": layers, "target_token_ms": single, "rounds": rows})
+        );
     }
     Ok(())
 }

@@ -6,6 +6,7 @@ use crate::nn::{Attention, Linear, Mlp};
 use crate::store::{Init, Initializer, Store};
 use crate::{DrafterError, Result};
 use candle_core::{DType, Device, Tensor};
+use dspark_kernels::QLinear;
 use dspark_model::{Family, Model};
 use std::sync::Arc;
 
@@ -180,8 +181,9 @@ impl DraftVocab {
 pub enum LmHead {
     /// The target's own (quantized) head over the full vocabulary.
     Target(Arc<Model>),
-    /// A dense `(V_d, hidden)` matrix: the target's rows for a reduced vocabulary, EAGLE-3's own
-    /// head, or a full-precision head for training.
+    /// The target's head rows of a reduced vocabulary, in the target's (quantized) format.
+    Rows(QLinear),
+    /// A dense `(V_d, hidden)` matrix: EAGLE-3's own head, or a full-precision head for training.
     Dense(Tensor),
 }
 
@@ -190,10 +192,7 @@ impl LmHead {
     pub fn shared(target: &Arc<Model>, vocab: &DraftVocab) -> Result<Self> {
         Ok(match vocab.ids() {
             None => Self::Target(target.clone()),
-            Some(ids) => {
-                let rows = target.lm_head_rows(ids)?;
-                Self::Dense(Tensor::from_vec(rows, (ids.len(), target.config.hidden), &Device::Cpu)?)
-            }
+            Some(ids) => Self::Rows(target.lm_head_subset(ids)?),
         })
     }
 
@@ -201,6 +200,7 @@ impl LmHead {
     pub fn logits(&self, h: &Tensor) -> Result<Tensor> {
         match self {
             Self::Dense(w) => Ok(h.matmul(&w.t()?)?),
+            Self::Rows(q) => Ok(q.forward(&h.contiguous()?)?),
             Self::Target(m) => {
                 let n = h.dim(0)?;
                 let x = h.contiguous()?.flatten_all()?.to_vec1::<f32>()?;

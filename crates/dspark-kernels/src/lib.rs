@@ -170,6 +170,30 @@ mod tests {
     }
 
     #[test]
+    fn selected_rows_give_exactly_those_rows_of_the_full_product() {
+        let (n, k) = (40, 512);
+        let w = random(n, k, 4);
+        let ids = [3usize, 0, 39, 17, 18, 5];
+        for fmt in FORMATS.into_iter().chain([GgmlDType::Q4K, GgmlDType::Q6K]) {
+            let q = QTensor::quantize(&w, fmt).unwrap();
+            let data = q.data().unwrap();
+            let full = PackedMatrix::from_gguf(QuantFormat::from_ggml(fmt).unwrap(), &data, n, k);
+            let sub = full.select_rows(&ids);
+            for m in [1, 3, 9] {
+                let x: Vec<f32> = random(m, k, 50 + m as u64).flatten_all().unwrap().to_vec1().unwrap();
+                let (mut yf, mut ys) = (vec![0f32; m * n], vec![0f32; m * ids.len()]);
+                matmul(&full, &x, m, &mut yf, true);
+                matmul(&sub, &x, m, &mut ys, true);
+                for r in 0..m {
+                    for (j, &i) in ids.iter().enumerate() {
+                        assert_eq!(ys[r * ids.len() + j], yf[r * n + i], "{fmt:?} m={m} row {i}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn rows_dequantize_like_candle() {
         let k = 512;
         let w = random(4, k, 3);

@@ -97,6 +97,22 @@ impl QLinear {
         }
     }
 
+    /// The layer restricted to output rows `ids`, in the same format (same kernels, same
+    /// arithmetic per row).
+    pub fn select_rows(&self, ids: &[usize]) -> Result<Self> {
+        let inner = match &self.inner {
+            Inner::Ours { packed, simd } => Inner::Ours { packed: Arc::new(packed.select_rows(ids)), simd: *simd },
+            _ => {
+                let mut w = Vec::with_capacity(ids.len() * self.in_dim);
+                for &i in ids {
+                    w.extend(self.row(i)?);
+                }
+                return Self::from_dense(Tensor::from_vec(w, (ids.len(), self.in_dim), &Device::Cpu)?);
+            }
+        };
+        Ok(Self { inner, out_dim: ids.len(), in_dim: self.in_dim })
+    }
+
     /// Row `i` of `W` as f32 (embedding lookup on a tied table).
     pub fn row(&self, i: usize) -> Result<Vec<f32>> {
         match &self.inner {

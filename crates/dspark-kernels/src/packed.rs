@@ -123,6 +123,41 @@ impl PackedMatrix {
     }
 
     /// Repacks `n` rows of `k` values of GGUF data.
+    /// The matrix made of rows `ids` (e.g. an LM head restricted to a draft vocabulary).
+    pub fn select_rows(&self, ids: &[usize]) -> Self {
+        fn pick<T: Copy>(v: &[T], n: usize, ids: &[usize]) -> Vec<T> {
+            if v.is_empty() {
+                return Vec::new();
+            }
+            // Every array is row-major with the same number of entries per row.
+            let per = v.len() / n;
+            let mut out = Vec::with_capacity(per * ids.len());
+            for &i in ids {
+                out.extend_from_slice(&v[i * per..(i + 1) * per]);
+            }
+            out
+        }
+        assert!(ids.iter().all(|&i| i < self.n), "row index out of range");
+        let n = self.n;
+        Self {
+            format: self.format,
+            n: ids.len(),
+            k: self.k,
+            nb: self.nb,
+            nbp: self.nbp,
+            scales: self.scales,
+            qs: pick(&self.qs, n, ids),
+            qh: pick(&self.qh, n, ids),
+            planes: self.planes,
+            d16: pick(&self.d16, n, ids),
+            m16: pick(&self.m16, n, ids),
+            gd: pick(&self.gd, n, ids),
+            gmin: pick(&self.gmin, n, ids),
+            sc: pick(&self.sc, n, ids),
+            mn: pick(&self.mn, n, ids),
+        }
+    }
+
     pub fn from_gguf(format: QuantFormat, data: &[u8], n: usize, k: usize) -> Self {
         let mut p = Self::empty(format, n, k);
         let (nb, nbp) = (p.nb, p.nbp);

@@ -266,6 +266,16 @@ impl Model {
         Ok(x)
     }
 
+    /// The target's LM head restricted to `ids`, in its own format: a reduced draft vocabulary's
+    /// head at the quantized kernels' cost.
+    pub fn lm_head_subset(&self, ids: &[u32]) -> Result<QLinear> {
+        let head = self.lm_head();
+        if let Some(&i) = ids.iter().find(|&&i| i as usize >= head.out_dim()) {
+            return Err(ModelError::Request(format!("token id {i} is outside the vocabulary")));
+        }
+        Ok(head.select_rows(&ids.iter().map(|&i| i as usize).collect::<Vec<_>>())?)
+    }
+
     /// Rows of the target's LM head (`ids.len() × hidden`, f32): a reduced draft vocabulary's
     /// head is these rows.
     pub fn lm_head_rows(&self, ids: &[u32]) -> Result<Vec<f32>> {
