@@ -182,7 +182,8 @@ fn draft(
             logit_rows: vec![],
             tap_rows: (0..context).collect(),
         };
-        let out = target.forward(&mut [seq], &TapSpec { layers: layers.to_vec(), final_norm: false })?.remove(0);
+        let out =
+            target.forward(&mut [seq], &TapSpec { layers: layers.to_vec(), final_norm: false })?.remove(0);
         Ok(TargetFeatures { rows: context, taps: out.taps, final_norm: None })
     };
     let methods = [
@@ -211,7 +212,8 @@ fn draft(
             let draft_vocab = match v.as_str() {
                 "full" => None,
                 n => {
-                    let n: usize = n.parse().with_context(|| format!("--vocabs: `{n}` is not full or a number"))?;
+                    let n: usize =
+                        n.parse().with_context(|| format!("--vocabs: `{n}` is not full or a number"))?;
                     Some(dspark_drafter_models::frequent_tokens(&target, &Default::default(), n)?)
                 }
             };
@@ -225,7 +227,8 @@ fn draft(
                     layout: dspark_drafter_models::BlockLayout::Dspark,
                     ..Default::default()
                 };
-                let net = dspark_drafter_models::init(target.clone(), &name, &o)?;
+                let mut net = dspark_drafter_models::init(target.clone(), &name, &o)?;
+                net.quantize_for_inference()?;
                 let taps = net.config().target_layer_ids.clone();
                 let mut d: Box<dyn Drafter> = match method {
                     Method::Eagle3 => Box::new(dspark_drafters::Eagle3Drafter::from_net(net, label)?),
@@ -238,7 +241,11 @@ fn draft(
                 // Rows 0..context-4 form the prompt; the last four are fed as one round's commit.
                 let head_rows = |a: usize, b: usize| TargetFeatures {
                     rows: b - a,
-                    taps: f.taps.iter().map(|t| t[a * target.config.hidden..b * target.config.hidden].to_vec()).collect(),
+                    taps: f
+                        .taps
+                        .iter()
+                        .map(|t| t[a * target.config.hidden..b * target.config.hidden].to_vec())
+                        .collect(),
                     final_norm: None,
                 };
                 // Feeding one round's commit (4 rows) to a drafter that holds the rest.

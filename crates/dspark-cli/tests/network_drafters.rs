@@ -16,8 +16,10 @@ fn smollm2() -> Arc<Model> {
     Arc::new(Model::load(&common::model("smollm2-135m")).unwrap())
 }
 
+/// A fresh drafter with 8-bit drafting weights, as `--drafter` loads them.
 fn drafter(m: &Arc<Model>, o: &InitOptions) -> Box<dyn Drafter> {
-    let net = dspark_drafter_models::init(m.clone(), "smollm2-135m", o).unwrap();
+    let mut net = dspark_drafter_models::init(m.clone(), "smollm2-135m", o).unwrap();
+    net.quantize_for_inference().unwrap();
     match o.method {
         Method::Eagle3 => Box::new(Eagle3Drafter::from_net(net, "eagle3").unwrap()),
         _ => Box::new(BlockDrafter::from_net(net, &format!("{}", o.method)).unwrap()),
@@ -193,7 +195,10 @@ fn repeating(m: &Arc<Model>, o: &InitOptions) -> Box<dyn Drafter> {
         }
     }
     candle_core::safetensors::save(&map, &st).unwrap();
-    let net = dspark_drafter_models::load(dir.path(), m.clone(), "smollm2-135m").unwrap();
+    let mut net = dspark_drafter_models::load(dir.path(), m.clone(), "smollm2-135m").unwrap();
+    if o.head == HeadKind::Rnn {
+        net.quantize_for_inference().unwrap(); // 8-bit drafting weights for the RNN cases
+    }
     Box::new(BlockDrafter::from_net(net, "dspark").unwrap())
 }
 

@@ -59,6 +59,16 @@ pub fn init_all(init: &mut Initializer, specs: Vec<Spec>) -> Result<()> {
 }
 
 impl DecoderLayer {
+    pub fn quantize(&mut self) -> Result<()> {
+        let a = &mut self.attn;
+        for l in
+            [&mut a.q, &mut a.k, &mut a.v, &mut a.o, &mut self.mlp.gate, &mut self.mlp.up, &mut self.mlp.down]
+        {
+            l.quantize()?;
+        }
+        Ok(())
+    }
+
     pub fn load(s: &Store, p: &str, c: &DrafterConfig, attn_in: usize) -> Result<Self> {
         let (d, hd) = (c.hidden_size, c.head_dim);
         let (q, kv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
@@ -68,7 +78,7 @@ impl DecoderLayer {
             } else {
                 None
             };
-            Ok(Linear { weight: s.get(&format!("{p}{name}.weight"), &[out, inp])?, bias })
+            Ok(Linear::new(s.get(&format!("{p}{name}.weight"), &[out, inp])?, bias))
         };
         let qwen3 = c.family()? == Family::Qwen3;
         let norm = |name: &str| s.get(&format!("{p}self_attn.{name}.weight"), &[hd]);
@@ -249,4 +259,18 @@ pub fn with_new(slot: &Option<(Tensor, Tensor)>, k: &Tensor, v: &Tensor) -> Resu
         None => (k.clone(), v.clone()),
         Some((k0, v0)) => (Tensor::cat(&[k0, k], 0)?, Tensor::cat(&[v0, v], 0)?),
     })
+}
+
+impl LmHead {
+    /// An 8-bit copy of a dense head for drafting.
+    pub fn quantize(&mut self) -> Result<()> {
+        if let Self::Dense(w) = self {
+            if w.dim(1)? % 32 == 0 {
+                let q =
+                    candle_core::quantized::QTensor::quantize(w, candle_core::quantized::GgmlDType::Q8_0)?;
+                *self = Self::Rows(QLinear::from_qtensor(q, dspark_kernels::KernelChoice::from_env())?);
+            }
+        }
+        Ok(())
+    }
 }

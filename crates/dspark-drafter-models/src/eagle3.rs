@@ -100,7 +100,7 @@ impl Eagle3Model {
             .map(|(n, shape, _)| Ok((n.clone(), store.get(&n, &shape)?)))
             .collect::<Result<_>>()?;
         Ok(Self {
-            fc: Linear { weight: store.get("fc.weight", &[d, m * d])?, bias: None },
+            fc: Linear::new(store.get("fc.weight", &[d, m * d])?, None),
             layer: DecoderLayer::load(store, "midlayer.", &config, 2 * d)?,
             hidden_norm: store.get("midlayer.hidden_norm.weight", &[d])?,
             norm: store.get("norm.weight", &[d])?,
@@ -114,6 +114,13 @@ impl Eagle3Model {
 
     pub fn tensors(&self) -> &BTreeMap<String, Tensor> {
         &self.tensors
+    }
+
+    /// Drafts through 8-bit copies of the weights (see [`crate::BlockModel::quantize_for_inference`]).
+    pub fn quantize_for_inference(&mut self) -> Result<()> {
+        self.fc.quantize()?;
+        self.layer.quantize()?;
+        self.lm_head.quantize()
     }
 
     pub fn gamma(&self) -> usize {

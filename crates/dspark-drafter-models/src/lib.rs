@@ -57,6 +57,17 @@ impl DrafterNet {
         self.config().ext().method
     }
 
+    /// 8-bit weights for drafting (`DSPARK_DRAFTER_F32=1` keeps f32, e.g. to compare).
+    pub fn quantize_for_inference(&mut self) -> Result<()> {
+        if std::env::var("DSPARK_DRAFTER_F32").is_ok_and(|v| v == "1") {
+            return Ok(());
+        }
+        match self {
+            Self::Block(m) => m.quantize_for_inference(),
+            Self::Eagle3(m) => m.quantize_for_inference(),
+        }
+    }
+
     fn parts(&self) -> (&BTreeMap<String, Tensor>, &DraftVocab) {
         match self {
             Self::Block(m) => (m.tensors(), &m.vocab),

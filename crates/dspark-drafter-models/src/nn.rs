@@ -1,18 +1,46 @@
 //! The building blocks of every drafter, written from candle's basic ops only: candle's fused
 //! `softmax`/`rms_norm` have no backward pass, and the training code reuses these functions.
 
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Result, Tensor, D};
+use dspark_kernels::{KernelChoice, QLinear};
+use std::sync::Arc;
 
 /// `y = x · Wᵀ (+ b)` with `W` stored `(out, in)` as in PyTorch checkpoints.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Linear {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
+    /// An 8-bit copy of `weight` for drafting: f32 weights make drafting memory-bound (see
+    /// `dspark bench draft`); training never sets it.
+    fast: Option<Arc<QLinear>>,
+}
+
+impl std::fmt::Debug for Linear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Linear{:?}{}", self.weight.dims(), if self.fast.is_some() { " (q8)" } else { "" })
+    }
 }
 
 impl Linear {
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Self { weight, bias, fast: None }
+    }
+
+    /// Drafts through an 8-bit copy of the weight (our Q8_0 kernels) from now on.
+    pub fn quantize(&mut self) -> Result<()> {
+        if self.weight.dim(1)? % 32 == 0 {
+            let q = QTensor::quantize(&self.weight, GgmlDType::Q8_0)?;
+            self.fast = Some(Arc::new(QLinear::from_qtensor(q, KernelChoice::from_env())?));
+        }
+        Ok(())
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x.matmul(&self.weight.t()?)?;
+        let y = match &self.fast {
+            Some(q) => q.forward(&x.contiguous()?)?,
+            None => x.matmul(&self.weight.t()?)?,
+        };
         match &self.bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),

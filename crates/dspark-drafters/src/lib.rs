@@ -31,7 +31,8 @@ pub fn load_network_drafter(
     target: Arc<Model>,
     target_name: &str,
 ) -> Result<Box<dyn Drafter>, DrafterError> {
-    let net = dspark_drafter_models::load(dir, target, target_name)?;
+    let mut net = dspark_drafter_models::load(dir, target, target_name)?;
+    net.quantize_for_inference()?;
     let found = net.method();
     if found != method {
         return Err(DrafterError::Config(format!(

@@ -101,7 +101,9 @@ impl QLinear {
     /// arithmetic per row).
     pub fn select_rows(&self, ids: &[usize]) -> Result<Self> {
         let inner = match &self.inner {
-            Inner::Ours { packed, simd } => Inner::Ours { packed: Arc::new(packed.select_rows(ids)), simd: *simd },
+            Inner::Ours { packed, simd } => {
+                Inner::Ours { packed: Arc::new(packed.select_rows(ids)), simd: *simd }
+            }
             _ => {
                 let mut w = Vec::with_capacity(ids.len() * self.in_dim);
                 for &i in ids {
