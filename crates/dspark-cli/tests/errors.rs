@@ -80,3 +80,25 @@ fn bad_sampling_parameters() {
     );
     fails_with(&["generate", "--model", p, "--prompt", "hi", "--max-tokens", "0"], "--max-tokens");
 }
+
+#[test]
+fn bad_drafter_checkpoints_and_options() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nothing-here");
+    let spec = format!("dspark:{}", missing.display());
+    fails_with(&["generate", "--prompt", "hi", "--drafter", &spec], "a drafter is a folder with config.json");
+    fails_with(&["generate", "--prompt", "hi", "--drafter", "medusa:x"], "unknown drafter `medusa`");
+    let out = dir.path().join("d");
+    let o = out.to_str().unwrap();
+    fails_with(&["init-drafter", "--method", "medusa", "--out", o], "unknown method `medusa`");
+    fails_with(&["init-drafter", "--head", "lstm", "--out", o], "unknown head `lstm`");
+    fails_with(&["init-drafter", "--block", "0", "--out", o], "at least one token");
+    fails_with(&["init-drafter", "--target-layers", "1,99", "--out", o], "target layer 99 does not exist");
+    fails_with(&["init-drafter", "--draft-vocab", "0", "--out", o], "draft vocabulary size must be in");
+    fails_with(&["init-drafter", "--target", "gemma3-270m", "--out", o], "gemma3 targets are not supported");
+    // A DFlash checkpoint asked for as DSpark, and a garbled config.
+    assert!(dspark(&["init-drafter", "--method", "dflash", "--block", "3", "--out", o]).status.success());
+    fails_with(&["generate", "--prompt", "hi", "--drafter", &format!("dspark:{o}")], "is a dflash drafter");
+    std::fs::write(out.join("config.json"), "{not json").unwrap();
+    fails_with(&["generate", "--prompt", "hi", "--drafter", &format!("dflash:{o}")], "config.json");
+}

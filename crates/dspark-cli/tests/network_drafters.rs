@@ -220,3 +220,34 @@ fn sampled_eagle3_drafts_report_their_exact_distributions() {
         false,
     );
 }
+
+#[test]
+fn init_drafter_then_generate_through_the_cli_equals_plain_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().join("dspark-rnn");
+    let d = d.to_str().unwrap();
+    let made = common::dspark(&[
+        "init-drafter",
+        "--head",
+        "rnn",
+        "--draft-vocab",
+        "8192",
+        "--block",
+        "5",
+        "--out",
+        d,
+    ]);
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let args =
+        ["generate", "--prompt", "Write a function that reverses a list.", "--max-tokens", "24", "--json"];
+    let plain = common::dspark_json(&args);
+    let spec = format!("dspark:{d}");
+    let mut with = args.to_vec();
+    with.extend(["--drafter", spec.as_str()]);
+    let got = common::dspark_json(&with);
+    assert_eq!(got["tokens"], plain["tokens"]);
+    // γ defaults to the checkpoint's block (5), not the n-gram default (3).
+    let (drafted, rounds) =
+        (got["stats"]["drafted"].as_f64().unwrap(), got["stats"]["rounds"].as_f64().unwrap());
+    assert!(drafted / rounds > 3.5, "{drafted} drafts in {rounds} rounds");
+}
