@@ -2,6 +2,7 @@
 //! parses arguments, and turns library errors into messages and exit codes.
 
 mod bench;
+mod data;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -61,6 +62,9 @@ enum Cmd {
     /// starts from (and what tests use). Output: a folder with config.json + model.safetensors in
     /// the public DeepSpec/EAGLE-3 layout.
     InitDrafter(InitDrafterArgs),
+    /// Training data: prompts and target-regenerated answers.
+    #[command(subcommand)]
+    Data(data::DataCmd),
     /// Benchmarks that print figures (never timed tests).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -384,6 +388,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Generate(a) => run_generate(a)?,
         Cmd::InitDrafter(a) => run_init_drafter(a)?,
         Cmd::Bench(b) => bench::run(b)?,
+        Cmd::Data(d) => data::run(d)?,
     }
     Ok(())
 }

