@@ -369,4 +369,117 @@ impl BlockModel {
         }
         Ok(out)
     }
+
+    /// Training forward: the target features of a whole sequence (`(L, m·hidden)`) and blocks
+    /// anchored at `anchors` (positions whose token opens the block). Block a sees context
+    /// positions `< anchors[a]` and its own block, nothing else — the attention a block has at
+    /// drafting time. Returns the final-norm hidden states of the drafting slots,
+    /// `(A·γ, hidden)`, block by block.
+    pub fn train_hidden(&self, features: &Tensor, tokens: &[u32], anchors: &[usize]) -> Result<Tensor> {
+        let (b, eps) = (self.config.block_size, self.config.rms_norm_eps);
+        let mask_id = self.config.mask_token_id.expect("checked at load");
+        let l = features.dim(0)?;
+        let h_ctx = rms_norm(&self.fc.forward(features)?, &self.hidden_norm, eps)?;
+        let ctx_rope = Rope::new(
+            &(0..l).collect::<Vec<_>>(),
+            self.config.head_dim,
+            self.config.rope_theta,
+            &Device::Cpu,
+        )?;
+        let mut block_tokens = Vec::with_capacity(anchors.len() * b);
+        let mut positions = Vec::with_capacity(anchors.len() * b);
+        for &p in anchors {
+            block_tokens.push(tokens[p]);
+            block_tokens.extend(std::iter::repeat_n(mask_id, b - 1));
+            positions.extend(p..p + b);
+        }
+        let rope = Rope::new(&positions, self.config.head_dim, self.config.rope_theta, &Device::Cpu)?;
+        let mask = block_mask(l, anchors, b)?;
+        let mut x = embed(&self.target, &block_tokens)?;
+        for layer in &self.layers {
+            let (kc, vc) = layer.attn.keys_values(&h_ctx, &ctx_rope)?;
+            let h = rms_norm(&x, &layer.input_norm, eps)?;
+            let q = layer.attn.queries(&h, &rope)?;
+            let (kb, vb) = layer.attn.keys_values(&h, &rope)?;
+            let k = Tensor::cat(&[&kc, &kb], 0)?;
+            let v = Tensor::cat(&[&vc, &vb], 0)?;
+            x = (&x + layer.attn.o.forward(&layer.attn.attend(&q, &k, &v, Some(&mask))?)?)?;
+            let h = rms_norm(&x, &layer.post_attention_norm, eps)?;
+            x = (&x + layer.mlp.forward(&h)?)?;
+        }
+        let x = rms_norm(&x, &self.norm, eps)?;
+        let skip = usize::from(self.layout == BlockLayout::Dflash);
+        let g = self.gamma();
+        let picked: Vec<Tensor> =
+            (0..anchors.len()).map(|a| x.narrow(0, a * b + skip, g)).collect::<candle_core::Result<_>>()?;
+        Ok(Tensor::cat(&picked, 0)?)
+    }
+
+    /// Training heads with teacher forcing: `prev[i]` is the token before slot i (the anchor,
+    /// then the true tokens). Returns the final draft logits `(A·γ, V_d)` and, with a
+    /// confidence head, its logits `(A·γ)` before the sigmoid.
+    pub fn train_heads(&self, hidden: &Tensor, prev: &[u32]) -> Result<(Tensor, Option<Tensor>)> {
+        let raw = self.lm_head.logits(hidden)?;
+        let Some(head) = &self.head else { return Ok((raw, None)) };
+        let e = head.embed_prev(prev)?;
+        let bias = match head {
+            SeqHead::Markov { w2, .. } => w2.forward(&e)?,
+            SeqHead::Rnn { cell, w2, rank, .. } => {
+                // Slots are sequential within a block, blocks run side by side.
+                let g = self.gamma();
+                let a = prev.len() / g;
+                let (d, r) = (hidden.dim(1)?, *rank);
+                let h3 = hidden.reshape((a, g, d))?;
+                let e3 = e.reshape((a, g, r))?;
+                let mut s = Tensor::zeros((a, r), candle_core::DType::F32, &Device::Cpu)?;
+                let mut biases = Vec::with_capacity(g);
+                for k in 0..g {
+                    let hk = h3.narrow(1, k, 1)?.squeeze(1)?;
+                    let ek = e3.narrow(1, k, 1)?.squeeze(1)?;
+                    let (s2, bk) = rnn_step(cell, w2, r, &s, &ek, &hk)?;
+                    s = s2;
+                    biases.push(bk.unsqueeze(1)?);
+                }
+                Tensor::cat(&biases, 1)?.reshape((a * g, ()))?
+            }
+        };
+        let logits = (raw + bias)?;
+        let conf = match &self.confidence {
+            Some(p) => Some(p.forward(&Tensor::cat(&[hidden, &e], D::Minus1)?)?.squeeze(1)?),
+            None => None,
+        };
+        Ok((logits, conf))
+    }
+
+    /// Replaces the shared head by a dense f32 copy of the target's rows, through which
+    /// gradients reach the hidden states (training).
+    pub fn use_dense_head(&mut self) -> Result<()> {
+        let ids: Vec<u32> = match self.vocab.ids() {
+            Some(ids) => ids.to_vec(),
+            None => (0..self.vocab.full() as u32).collect(),
+        };
+        let rows = self.target.lm_head_rows(&ids)?;
+        self.lm_head =
+            LmHead::Dense(Tensor::from_vec(rows, (ids.len(), self.config.hidden_size), &Device::Cpu)?);
+        Ok(())
+    }
+
+    pub fn lm_head(&self) -> &LmHead {
+        &self.lm_head
+    }
+}
+
+/// The additive attention mask of a training step: rows are the blocks' slots, columns the `l`
+/// context positions then every block's slots. Block a sees context `< anchors[a]` and itself.
+pub fn block_mask(l: usize, anchors: &[usize], b: usize) -> Result<Tensor> {
+    let cols = l + anchors.len() * b;
+    let mut m = vec![f32::NEG_INFINITY; anchors.len() * b * cols];
+    for (a, &p) in anchors.iter().enumerate() {
+        for i in 0..b {
+            let row = &mut m[(a * b + i) * cols..(a * b + i + 1) * cols];
+            row[..p.min(l)].iter_mut().for_each(|x| *x = 0.0);
+            row[l + a * b..l + (a + 1) * b].iter_mut().for_each(|x| *x = 0.0);
+        }
+    }
+    Ok(Tensor::from_vec(m, (anchors.len() * b, cols), &Device::Cpu)?)
 }

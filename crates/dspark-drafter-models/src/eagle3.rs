@@ -192,4 +192,56 @@ impl Eagle3Model {
         }
         Ok(out)
     }
+
+    /// Training-time test over a whole sequence (`features`: `(L, m·hidden)`, `tokens`: L).
+    /// Row i of step 1 is `(e(t_{i+1}), fused f_i)` with causal attention; step j feeds
+    /// `(e(t_{i+j}), g_{j−1,i})` and attends to step-1 rows `≤ i` and to row i's own earlier
+    /// steps, as drafting does. Returns each step's logits `(L−1, V_d)`; rows whose inputs
+    /// run past the sequence are garbage that no valid row sees (the caller masks their loss).
+    pub fn train_ttt(&self, features: &Tensor, tokens: &[u32], steps: usize) -> Result<Vec<Tensor>> {
+        let l = tokens.len();
+        let n = l - 1;
+        let eps = self.config.rms_norm_eps;
+        let fused = self.fc.forward(&features.narrow(0, 0, n)?)?;
+        let (mut keys, mut values) = (Vec::new(), Vec::new());
+        let mut hid = fused;
+        let mut out = Vec::with_capacity(steps);
+        for j in 1..=steps {
+            let next: Vec<u32> = (0..n).map(|i| tokens[(i + j).min(l - 1)]).collect();
+            let emb = embed(&self.target, &next)?;
+            let x = Tensor::cat(
+                &[rms_norm(&emb, &self.layer.input_norm, eps)?, rms_norm(&hid, &self.hidden_norm, eps)?],
+                D::Minus1,
+            )?;
+            let positions: Vec<usize> = (0..n).map(|i| i + j - 1).collect();
+            let rope = Rope::new(&positions, self.config.head_dim, self.config.rope_theta, &Device::Cpu)?;
+            let q = self.layer.attn.queries(&x, &rope)?;
+            let (k, v) = self.layer.attn.keys_values(&x, &rope)?;
+            keys.push(k);
+            values.push(v);
+            let kk = Tensor::cat(&keys, 0)?;
+            let vv = Tensor::cat(&values, 0)?;
+            let mask = ttt_mask(n, j)?;
+            let a = self.layer.attn.attend(&q, &kk, &vv, Some(&mask))?;
+            let h = (&hid + self.layer.attn.o.forward(&a)?)?;
+            let g = (&h + self.layer.mlp.forward(&rms_norm(&h, &self.layer.post_attention_norm, eps)?)?)?;
+            out.push(self.logits(&g)?);
+            hid = g;
+        }
+        Ok(out)
+    }
+}
+
+/// Step j's mask over `[step 1 ; … ; step j]` keys: causal on step 1, row i only on later steps.
+pub fn ttt_mask(n: usize, j: usize) -> Result<Tensor> {
+    let cols = n * j;
+    let mut m = vec![f32::NEG_INFINITY; n * cols];
+    for i in 0..n {
+        let row = &mut m[i * cols..(i + 1) * cols];
+        row[..=i].iter_mut().for_each(|x| *x = 0.0);
+        for s in 1..j {
+            row[s * n + i] = 0.0;
+        }
+    }
+    Ok(Tensor::from_vec(m, (n, cols), &Device::Cpu)?)
 }

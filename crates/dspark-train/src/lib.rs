@@ -1,7 +1,9 @@
 //! Drafter training on one machine: data, features, anchored blocks, losses, optimiser,
 //! checkpoints, calibration.
 
+pub mod blocks;
 pub mod data;
+pub mod loss;
 
 use std::path::Path;
 
