@@ -3,11 +3,12 @@
 
 mod bench;
 mod data;
+mod train;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use dspark_decode::{generate, GenerateParams};
-use dspark_drafter_models::{BlockLayout, HeadKind, InitOptions, Method};
+use dspark_drafter_models::{BlockLayout, InitOptions, Method};
 use dspark_drafters::{DraftModel, NgramDrafter};
 use dspark_model::Model;
 use dspark_sampling::SamplingParams;
@@ -62,6 +63,8 @@ enum Cmd {
     /// starts from (and what tests use). Output: a folder with config.json + model.safetensors in
     /// the public DeepSpec/EAGLE-3 layout.
     InitDrafter(InitDrafterArgs),
+    /// Train a drafter (DSpark, DFlash or EAGLE-3) on target-regenerated data.
+    Train(train::TrainArgs),
     /// Training data: prompts and target-regenerated answers.
     #[command(subcommand)]
     Data(data::DataCmd),
@@ -249,6 +252,16 @@ struct InitDrafterArgs {
     /// The target model the drafter serves (name or path).
     #[arg(long, default_value = dspark_hub::DEFAULT_MODEL)]
     target: String,
+    #[command(flatten)]
+    opts: InitOpts,
+    /// Output folder.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+/// How a fresh drafter is built (shared by `init-drafter` and `train`).
+#[derive(Args, Clone)]
+pub struct InitOpts {
     /// dspark (backbone + sequential + confidence heads), dflash (backbone only) or eagle3.
     #[arg(long, default_value = "dspark")]
     method: String,
@@ -269,7 +282,8 @@ struct InitDrafterArgs {
     /// exact because verification sees the full-vocabulary distribution (zero outside).
     #[arg(long)]
     draft_vocab: Option<usize>,
-    /// Text or JSONL file whose tokens decide which tokens make the draft vocabulary.
+    /// Text or JSONL file whose tokens decide which tokens make the draft vocabulary (regenerated
+    /// training data works: its `tokens` are counted directly).
     #[arg(long)]
     vocab_from: Option<PathBuf>,
     /// Target layers whose hidden states the drafter reads, comma-separated (default: DFlash's
@@ -280,16 +294,13 @@ struct InitDrafterArgs {
     #[arg(long)]
     mask_token: Option<u32>,
     /// Block layout: dspark (γ inputs → γ drafts) or dflash (the original: γ+1 inputs).
-    #[arg(long, default_value = "dspark")]
-    layout: String,
+    #[arg(long)]
+    layout: Option<String>,
     /// Standard deviation of the random weights.
     #[arg(long, default_value_t = 0.02)]
     init_std: f32,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Output folder.
-    #[arg(long)]
-    out: PathBuf,
 }
 
 fn token_counts(model: &Model, path: &std::path::Path) -> Result<std::collections::HashMap<u32, u64>> {
@@ -297,6 +308,15 @@ fn token_counts(model: &Model, path: &std::path::Path) -> Result<std::collection
     let mut counts = std::collections::HashMap::new();
     for line in text.lines() {
         // JSONL: every string value of the record; plain text: the line itself.
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
+            if let Some(toks) = v["tokens"].as_array() {
+                let start = v["prompt_len"].as_u64().unwrap_or(0) as usize;
+                for t in toks.iter().skip(start).filter_map(|t| t.as_u64()) {
+                    *counts.entry(t as u32).or_insert(0) += 1;
+                }
+                continue;
+            }
+        }
         let pieces: Vec<String> = match serde_json::from_str::<serde_json::Value>(line) {
             Ok(serde_json::Value::Object(o)) => {
                 o.values().filter_map(|v| v.as_str().map(str::to_string)).collect()
@@ -312,9 +332,8 @@ fn token_counts(model: &Model, path: &std::path::Path) -> Result<std::collection
     Ok(counts)
 }
 
-fn run_init_drafter(a: InitDrafterArgs) -> Result<()> {
-    let target_arg = ModelArg { model: a.target.clone() };
-    let target = Arc::new(target_arg.load()?);
+/// Builds and saves a fresh drafter for `target`.
+pub fn init_drafter(target: Arc<Model>, target_name: &str, a: &InitOpts, out: &std::path::Path) -> Result<()> {
     let method: Method = a.method.parse()?;
     let draft_vocab = match a.draft_vocab {
         None => None,
@@ -326,38 +345,45 @@ fn run_init_drafter(a: InitDrafterArgs) -> Result<()> {
             Some(dspark_drafter_models::frequent_tokens(&target, &counts, n)?)
         }
     };
-    let layout = match a.layout.as_str() {
-        "dspark" => BlockLayout::Dspark,
-        "dflash" => BlockLayout::Dflash,
-        other => bail!("unknown layout `{other}`; use dspark or dflash"),
+    // DFlash keeps its original block layout unless told otherwise; DSpark uses its own.
+    let layout = match a.layout.as_deref() {
+        None if method == Method::Dflash => BlockLayout::Dflash,
+        None | Some("dspark") => BlockLayout::Dspark,
+        Some("dflash") => BlockLayout::Dflash,
+        Some(other) => bail!("unknown layout `{other}`; use dspark or dflash"),
     };
-    let head: HeadKind = a.head.parse()?;
     let o = InitOptions {
         method,
         layers: a.layers,
         gamma: a.block,
-        head,
+        head: a.head.parse()?,
         rank: a.markov_rank,
         draft_vocab,
-        target_layers: a.target_layers,
+        target_layers: a.target_layers.clone(),
         mask_token: a.mask_token,
         layout,
         std: a.init_std,
         seed: a.seed,
     };
-    let net = dspark_drafter_models::init(target, &target_arg.name(), &o)?;
-    net.save(&a.out)?;
+    let net = dspark_drafter_models::init(target, target_name, &o)?;
+    net.save(out)?;
     let c = net.config();
     eprintln!(
         "wrote {} drafter to {} (target layers {:?}, γ {}, draft vocabulary {}{})",
         method,
-        a.out.display(),
+        out.display(),
         c.target_layer_ids,
         c.gamma(),
         c.draft_vocab(),
         c.mask_token_id.map(|m| format!(", MASK id {m}")).unwrap_or_default()
     );
     Ok(())
+}
+
+fn run_init_drafter(a: InitDrafterArgs) -> Result<()> {
+    let target_arg = ModelArg { model: a.target.clone() };
+    let target = Arc::new(target_arg.load()?);
+    init_drafter(target, &target_arg.name(), &a.opts, &a.out)
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -389,6 +415,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::InitDrafter(a) => run_init_drafter(a)?,
         Cmd::Bench(b) => bench::run(b)?,
         Cmd::Data(d) => data::run(d)?,
+        Cmd::Train(t) => train::run(t)?,
     }
     Ok(())
 }

@@ -4,6 +4,8 @@
 pub mod blocks;
 pub mod data;
 pub mod loss;
+pub mod optim;
+pub mod trainer;
 
 use std::path::Path;
 

@@ -1,0 +1,129 @@
+//! `dspark train`: one binary, one machine, from regenerated data to a drafter checkpoint.
+
+use crate::{InitOpts, ModelArg};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use dspark_train::trainer::{TrainConfig, Trainer};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+#[derive(Args)]
+pub struct TrainArgs {
+    /// The target model (name or path).
+    #[arg(long, default_value = dspark_hub::DEFAULT_MODEL)]
+    target: String,
+    /// Start from this drafter checkpoint instead of a fresh one built from the options below.
+    #[arg(long)]
+    init: Option<PathBuf>,
+    #[command(flatten)]
+    opts: InitOpts,
+    /// Regenerated samples (`dspark data regenerate`).
+    #[arg(long)]
+    data: PathBuf,
+    /// Output folder: the drafter checkpoint, optimiser state and train_log.jsonl.
+    #[arg(long)]
+    out: PathBuf,
+    /// Continue the run in --out from its last checkpoint (same settings, same result).
+    #[arg(long)]
+    resume: bool,
+    #[arg(long, default_value_t = 1000)]
+    steps: usize,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 4)]
+    batch: usize,
+    /// Blocks anchored per sequence.
+    #[arg(long, default_value_t = 16)]
+    anchors: usize,
+    /// Tokens per sequence (longer samples are cut).
+    #[arg(long, default_value_t = 512)]
+    max_len: usize,
+    /// Peak learning rate (AdamW, 4 % warmup, cosine to 0).
+    #[arg(long, default_value_t = 6e-4)]
+    lr: f64,
+    #[arg(long, default_value_t = 100)]
+    checkpoint_every: usize,
+    /// Use the first N samples of --data.
+    #[arg(long)]
+    n: Option<usize>,
+}
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_sigint(_: libc::c_int) {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+pub fn run(a: TrainArgs) -> Result<()> {
+    if a.steps == 0 || a.batch == 0 || a.anchors == 0 {
+        bail!("--steps, --batch and --anchors must be at least 1");
+    }
+    let target_arg = ModelArg { model: a.target.clone() };
+    let target = Arc::new(target_arg.load()?);
+    let name = target_arg.name();
+    let mut data = dspark_train::data::read_samples(&a.data).with_context(|| format!("reading {}", a.data.display()))?;
+    if let Some(n) = a.n {
+        data.truncate(n);
+    }
+    let init = match (&a.init, a.resume) {
+        (_, true) => a.out.clone(),
+        (Some(p), false) => p.clone(),
+        (None, false) => {
+            let p = a.out.join("init");
+            crate::init_drafter(target.clone(), &name, &a.opts, &p)?;
+            p
+        }
+    };
+    if !a.resume && a.out.join("train_state.json").exists() {
+        bail!("{} already holds a run; pass --resume to continue it or choose another --out", a.out.display());
+    }
+    let cfg = TrainConfig {
+        steps: a.steps,
+        batch: a.batch,
+        anchors: a.anchors,
+        max_len: a.max_len,
+        lr: a.lr,
+        seed: a.opts.seed,
+        checkpoint_every: a.checkpoint_every,
+        ..Default::default()
+    };
+    let mut t = Trainer::new(target, &name, &init, data, cfg, &a.out, a.resume)?;
+    // SAFETY: the handler only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t);
+    }
+    let c = &t.cfg;
+    eprintln!(
+        "training {} for {name}: {} samples, {} steps × {} sequences{}, starting at step {}",
+        t.config.ext().method,
+        t.samples(),
+        c.steps,
+        c.batch,
+        if t.config.ext().method == dspark_drafter_models::Method::Eagle3 {
+            String::new()
+        } else {
+            format!(" × {} blocks of γ = {}", c.anchors, t.config.gamma())
+        },
+        t.state.step
+    );
+    let bar = indicatif::ProgressBar::new(c.steps as u64);
+    bar.set_position(t.state.step as u64);
+    bar.set_style(indicatif::ProgressStyle::with_template("{bar:25} {pos}/{len} {msg} [{elapsed} eta {eta}]")?);
+    let finished = t.run(&STOP, |r| {
+        let acc: Vec<String> = r.accept.iter().map(|a| format!("{a:.2}")).collect();
+        bar.set_message(format!(
+            "loss {:.3} acc≈[{}] {:.0} pos/s",
+            r.loss,
+            acc.join(" "),
+            r.positions as f64 / r.step_s
+        ));
+        bar.set_position(r.step as u64);
+    })?;
+    bar.finish();
+    if finished {
+        eprintln!("done: drafter in {} (log: train_log.jsonl)", a.out.display());
+    } else {
+        eprintln!("stopped at step {}; checkpoint saved. Continue with --resume.", t.state.step);
+    }
+    Ok(())
+}
