@@ -333,7 +333,12 @@ fn token_counts(model: &Model, path: &std::path::Path) -> Result<std::collection
 }
 
 /// Builds and saves a fresh drafter for `target`.
-pub fn init_drafter(target: Arc<Model>, target_name: &str, a: &InitOpts, out: &std::path::Path) -> Result<()> {
+pub fn init_drafter(
+    target: Arc<Model>,
+    target_name: &str,
+    a: &InitOpts,
+    out: &std::path::Path,
+) -> Result<()> {
     let method: Method = a.method.parse()?;
     let draft_vocab = match a.draft_vocab {
         None => None,

@@ -61,7 +61,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let target_arg = ModelArg { model: a.target.clone() };
     let target = Arc::new(target_arg.load()?);
     let name = target_arg.name();
-    let mut data = dspark_train::data::read_samples(&a.data).with_context(|| format!("reading {}", a.data.display()))?;
+    let mut data =
+        dspark_train::data::read_samples(&a.data).with_context(|| format!("reading {}", a.data.display()))?;
     if let Some(n) = a.n {
         data.truncate(n);
     }
@@ -75,7 +76,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
         }
     };
     if !a.resume && a.out.join("train_state.json").exists() {
-        bail!("{} already holds a run; pass --resume to continue it or choose another --out", a.out.display());
+        bail!(
+            "{} already holds a run; pass --resume to continue it or choose another --out",
+            a.out.display()
+        );
     }
     let cfg = TrainConfig {
         steps: a.steps,
@@ -108,7 +112,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
     );
     let bar = indicatif::ProgressBar::new(c.steps as u64);
     bar.set_position(t.state.step as u64);
-    bar.set_style(indicatif::ProgressStyle::with_template("{bar:25} {pos}/{len} {msg} [{elapsed} eta {eta}]")?);
+    bar.set_style(indicatif::ProgressStyle::with_template(
+        "{bar:25} {pos}/{len} {msg} [{elapsed} eta {eta}]",
+    )?);
     let finished = t.run(&STOP, |r| {
         let acc: Vec<String> = r.accept.iter().map(|a| format!("{a:.2}")).collect();
         bar.set_message(format!(

@@ -125,6 +125,23 @@ impl Trainer {
             (init.to_path_buf(), TrainState { step: 0, config: cfg, elapsed_s: 0.0, positions: 0 })
         };
         let cfg = state.config.clone();
+        if resume {
+            // Steps logged after the last checkpoint will run again.
+            let log = out.join("train_log.jsonl");
+            if let Ok(text) = std::fs::read_to_string(&log) {
+                let keep: Vec<&str> = text
+                    .lines()
+                    .filter(|l| {
+                        serde_json::from_str::<serde_json::Value>(l)
+                            .ok()
+                            .and_then(|v| v["step"].as_u64())
+                            .is_some_and(|s| s as usize <= state.step)
+                    })
+                    .collect();
+                std::fs::write(&log, keep.iter().map(|l| format!("{l}\n")).collect::<String>())
+                    .map_err(|e| TrainError::io(&log, e))?;
+            }
+        }
         let config = dspark_drafter_models::read_config(&src)?;
         config.check_target(&target, &dspark_drafter_models::TargetId::of(&target, target_name))?;
         let store = Store::load(&src.join("model.safetensors"))?;
@@ -299,11 +316,10 @@ impl Trainer {
         }
     }
 
-    /// One optimisation step over a batch drawn from (seed, step): the same batch whenever the
-    /// step runs, so a resumed run repeats the uninterrupted one.
-    pub fn step(&mut self) -> Result<StepReport> {
-        let t0 = Instant::now();
-        let step = self.state.step;
+    /// The loss of the batch of `step`, drawn from (seed, step): the same batch whenever the
+    /// step runs, so a resumed run repeats the uninterrupted one. Also per-position acceptance
+    /// estimates and the positions trained.
+    pub fn batch_loss(&self, step: usize) -> Result<(Tensor, Vec<(f32, u32)>, usize)> {
         let mut rng = rand::rngs::StdRng::seed_from_u64(
             self.cfg.seed ^ (step as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
         );
@@ -324,7 +340,14 @@ impl Trainer {
                 Some(t) => (t + l)?,
             });
         }
-        let loss = (total.expect("batch ≥ 1") / self.cfg.batch as f64)?;
+        Ok(((total.expect("batch ≥ 1") / self.cfg.batch as f64)?, acc, positions))
+    }
+
+    /// One optimisation step.
+    pub fn step(&mut self) -> Result<StepReport> {
+        let t0 = Instant::now();
+        let step = self.state.step;
+        let (loss, acc, positions) = self.batch_loss(step)?;
         let grads = loss.backward()?;
         let warmup = ((self.cfg.steps as f64 * self.cfg.warmup_frac).ceil() as usize).max(1);
         let lr = lr_at(step, self.cfg.steps, warmup, self.cfg.lr);
