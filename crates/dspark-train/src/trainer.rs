@@ -20,6 +20,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+/// A loss, per-position `(Σ c*, count)` acceptance estimates, and the positions trained.
+pub type BatchLoss = (Tensor, Vec<(f32, u32)>, usize);
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct TrainConfig {
     pub steps: usize,
@@ -242,7 +245,7 @@ impl Trainer {
     }
 
     /// Loss of one sample, with per-position `c*` sums and counts, and positions trained.
-    fn sample_loss(&self, s: &Sample, rng: &mut impl Rng) -> Result<(Tensor, Vec<(f32, u32)>, usize)> {
+    fn sample_loss(&self, s: &Sample, rng: &mut impl Rng) -> Result<BatchLoss> {
         let len = s.tokens.len().min(self.cfg.max_len);
         let tokens = &s.tokens[..len];
         let (feats, fin) = self.features(tokens)?;
@@ -319,7 +322,7 @@ impl Trainer {
     /// The loss of the batch of `step`, drawn from (seed, step): the same batch whenever the
     /// step runs, so a resumed run repeats the uninterrupted one. Also per-position acceptance
     /// estimates and the positions trained.
-    pub fn batch_loss(&self, step: usize) -> Result<(Tensor, Vec<(f32, u32)>, usize)> {
+    pub fn batch_loss(&self, step: usize) -> Result<BatchLoss> {
         let mut rng = rand::rngs::StdRng::seed_from_u64(
             self.cfg.seed ^ (step as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
         );
@@ -409,7 +412,7 @@ impl Trainer {
                 .open(&log)
                 .map_err(|e| TrainError::io(&log, e))?;
             writeln!(f, "{line}").map_err(|e| TrainError::io(&log, e))?;
-            if self.state.step % self.cfg.checkpoint_every == 0 || self.state.step == self.cfg.steps {
+            if self.state.step.is_multiple_of(self.cfg.checkpoint_every) || self.state.step == self.cfg.steps {
                 self.save()?;
             }
         }
