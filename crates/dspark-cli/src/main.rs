@@ -2,6 +2,7 @@
 //! parses arguments, and turns library errors into messages and exit codes.
 
 mod bench;
+mod calibrate;
 mod data;
 mod train;
 
@@ -65,6 +66,9 @@ enum Cmd {
     InitDrafter(InitDrafterArgs),
     /// Train a drafter (DSpark, DFlash or EAGLE-3) on target-regenerated data.
     Train(train::TrainArgs),
+    /// Fit a DSpark drafter's confidence head on held-out rounds (sequential temperature
+    /// scaling); prints ECE per position before and after and writes a reliability diagram.
+    Calibrate(calibrate::CalibrateArgs),
     /// Training data: prompts and target-regenerated answers.
     #[command(subcommand)]
     Data(data::DataCmd),
@@ -421,6 +425,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(b) => bench::run(b)?,
         Cmd::Data(d) => data::run(d)?,
         Cmd::Train(t) => train::run(t)?,
+        Cmd::Calibrate(c) => calibrate::run(c)?,
     }
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! checkpoints, calibration.
 
 pub mod blocks;
+pub mod calibrate;
 pub mod data;
 pub mod loss;
 pub mod optim;

@@ -412,7 +412,8 @@ impl Trainer {
                 .open(&log)
                 .map_err(|e| TrainError::io(&log, e))?;
             writeln!(f, "{line}").map_err(|e| TrainError::io(&log, e))?;
-            if self.state.step.is_multiple_of(self.cfg.checkpoint_every) || self.state.step == self.cfg.steps {
+            if self.state.step.is_multiple_of(self.cfg.checkpoint_every) || self.state.step == self.cfg.steps
+            {
                 self.save()?;
             }
         }
