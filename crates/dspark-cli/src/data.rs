@@ -52,6 +52,28 @@ pub enum DataCmd {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+    /// Precompute the target's features of regenerated samples for training: the hidden states
+    /// of the tapped layers and the final norm at every position, f16, memory-mapped by
+    /// `dspark train --features`. Prints the size first; resumable.
+    Features {
+        #[command(flatten)]
+        model: ModelArg,
+        /// Regenerated samples (`dspark data regenerate`).
+        #[arg(long)]
+        data: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        /// Target layers to keep (default: DFlash's five-layer spread, which contains EAGLE-3's
+        /// three).
+        #[arg(long, value_delimiter = ',')]
+        layers: Option<Vec<usize>>,
+        /// Tokens per sample (match `dspark train --max-len`).
+        #[arg(long, default_value_t = 512)]
+        max_len: usize,
+        /// Use the first N samples.
+        #[arg(long)]
+        n: Option<usize>,
+    },
 }
 
 pub fn run(cmd: DataCmd) -> Result<()> {
@@ -89,6 +111,31 @@ pub fn run(cmd: DataCmd) -> Result<()> {
                 kept.len(),
                 out.display()
             );
+        }
+        DataCmd::Features { model, data: path, out, layers, max_len, n } => {
+            let m = model.load()?;
+            let layers =
+                layers.unwrap_or_else(|| dspark_drafter_models::default_target_layers(m.config.n_layers, 5));
+            let mut samples = data::read_samples(&path)?;
+            if let Some(n) = n {
+                samples.truncate(n);
+            }
+            let bytes =
+                dspark_train::features::estimate_bytes(&samples, layers.len(), m.config.hidden, max_len);
+            eprintln!(
+                "{} samples, layers {layers:?} + final norm, f16: {:.2} GB in {}",
+                samples.len(),
+                bytes as f64 / 1e9,
+                out.display()
+            );
+            let bar = indicatif::ProgressBar::new(samples.len() as u64);
+            bar.set_style(indicatif::ProgressStyle::with_template(
+                "features [{bar:30}] {pos}/{len} {elapsed} (eta {eta})",
+            )?);
+            dspark_train::features::build(&m, &samples, &layers, max_len, &out, |d, _| {
+                bar.set_position(d as u64)
+            })?;
+            bar.finish();
         }
         DataCmd::Regenerate { model, prompts, out, n, max_tokens, batch, seed } => {
             if batch == 0 || max_tokens == 0 {

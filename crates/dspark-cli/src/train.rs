@@ -21,6 +21,10 @@ pub struct TrainArgs {
     /// Regenerated samples (`dspark data regenerate`).
     #[arg(long)]
     data: PathBuf,
+    /// Precomputed target features (`dspark data features`); samples not in it are computed on
+    /// the fly.
+    #[arg(long)]
+    features: Option<PathBuf>,
     /// Output folder: the drafter checkpoint, optimiser state and train_log.jsonl.
     #[arg(long)]
     out: PathBuf,
@@ -92,6 +96,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
         ..Default::default()
     };
     let mut t = Trainer::new(target, &name, &init, data, cfg, &a.out, a.resume)?;
+    if let Some(f) = &a.features {
+        t.cache = Some(dspark_train::features::FeatureCache::open(f)?);
+    }
     // SAFETY: the handler only stores to an atomic.
     unsafe {
         libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t);

@@ -4,6 +4,7 @@
 pub mod blocks;
 pub mod calibrate;
 pub mod data;
+pub mod features;
 pub mod loss;
 pub mod optim;
 pub mod trainer;

@@ -95,6 +95,8 @@ pub struct Trainer {
     target_head: Tensor,
     t2d: HashMap<u32, u32>,
     pub state: TrainState,
+    /// Precomputed target features, when given.
+    pub cache: Option<crate::features::FeatureCache>,
 }
 
 /// Checkpoint names that never train: the draft vocabulary map and EAGLE-3's head (shared
@@ -216,6 +218,7 @@ impl Trainer {
             target_head,
             t2d,
             state,
+            cache: None,
         })
     }
 
@@ -224,9 +227,14 @@ impl Trainer {
     }
 
     /// Target hidden states of a sample: fused-layer input `(L, m·d)` and final norm `(L, d)`.
-    fn features(&self, tokens: &[u32]) -> Result<(Tensor, Tensor)> {
+    fn features(&self, index: usize, tokens: &[u32]) -> Result<(Tensor, Tensor)> {
         let d = self.target.config.hidden;
         let layers = self.config.target_layer_ids.clone();
+        if let Some(c) = &self.cache {
+            if let Some(f) = c.get(index, &layers, tokens.len())? {
+                return Ok(f);
+            }
+        }
         let mut cache = self.target.new_cache(tokens.len());
         let seq =
             SeqInput { cache: &mut cache, tokens, logit_rows: vec![], tap_rows: (0..tokens.len()).collect() };
@@ -248,7 +256,7 @@ impl Trainer {
     fn sample_loss(&self, s: &Sample, rng: &mut impl Rng) -> Result<BatchLoss> {
         let len = s.tokens.len().min(self.cfg.max_len);
         let tokens = &s.tokens[..len];
-        let (feats, fin) = self.features(tokens)?;
+        let (feats, fin) = self.features(s.index, tokens)?;
         let gamma = self.config.gamma();
         let mut acc = vec![(0f32, 0u32); gamma];
         match &self.net {

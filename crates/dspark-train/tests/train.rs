@@ -171,3 +171,23 @@ fn a_resumed_run_ends_where_the_uninterrupted_one_does() {
         assert!(init_w.iter().zip(&a).any(|((_, x), (_, y))| x != y), "{name}: training changed nothing");
     }
 }
+
+#[test]
+fn cached_features_train_like_features_computed_on_the_fly() {
+    let tdir = tempfile::tempdir().unwrap();
+    let t = target(tdir.path());
+    let (name, o) = cases().remove(0);
+    let init = tempfile::tempdir().unwrap();
+    dspark_drafter_models::init(t.clone(), "tiny", &o).unwrap().save(init.path()).unwrap();
+    let fdir = tempfile::tempdir().unwrap();
+    // Built in two goes (an interruption), with more layers than the drafter reads.
+    dspark_train::features::build(&t, &samples()[..2], &[0, 1, 2], 32, fdir.path(), |_, _| {}).unwrap();
+    dspark_train::features::build(&t, &samples(), &[0, 1, 2], 32, fdir.path(), |_, _| {}).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let mut tr = Trainer::new(t.clone(), "tiny", init.path(), samples(), cfg(4), out.path(), false).unwrap();
+    let fly = tr.batch_loss(1).unwrap().0.to_scalar::<f32>().unwrap();
+    tr.cache = Some(dspark_train::features::FeatureCache::open(fdir.path()).unwrap());
+    let cached = tr.batch_loss(1).unwrap().0.to_scalar::<f32>().unwrap();
+    assert!((fly - cached).abs() < 2e-3 * fly.abs().max(1.0), "{name}: {fly} vs {cached} (f16 cache)");
+    assert!(fly != cached, "the cache should have been used (f16 rounding shows)");
+}
