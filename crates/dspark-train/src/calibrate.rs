@@ -84,7 +84,7 @@ pub fn fit(rounds: &[Round], gamma: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
 /// survival in 10 bins, before and after calibration, with the diagonal.
 pub fn reliability_svg(rounds: &[Round], temps: &[f64], title: &str) -> String {
     let gamma = temps.len();
-    let cols = gamma.min(4).max(1);
+    let cols = gamma.clamp(1, 4);
     let rows = gamma.div_ceil(cols);
     let (w, h, pad) = (220.0, 220.0, 34.0);
     let (width, height) = (cols as f64 * (w + pad) + pad, rows as f64 * (h + pad + 14.0) + 40.0);
@@ -124,42 +124,6 @@ pub fn reliability_svg(rounds: &[Round], temps: &[f64], title: &str) -> String {
         s += &format!("<text x='{}' y='{}' fill='#555'>predicted</text>\n", x0 + w - 52.0, y0 + h + 12.0);
     }
     s + "</svg>\n"
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ece_of_perfect_and_of_overconfident_predictions() {
-        assert!(ece(&[0.5, 0.5], &[true, false]).abs() < 1e-12);
-        assert!((ece(&[0.9, 0.9], &[false, false]) - 0.9).abs() < 1e-12);
-    }
-
-    /// Rounds where the head is overconfident at every position: the fitted temperatures are
-    /// above 1 and the error falls.
-    #[test]
-    fn sts_cools_an_overconfident_head() {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
-        let rounds: Vec<Round> = (0..4000)
-            .map(|_| {
-                let z: Vec<f32> = (0..3).map(|_| rng.random_range(-1.0f32..4.0)).collect();
-                // True survival uses z / 3: the head's logits are three times too sharp.
-                let mut accepted = 0;
-                while accepted < 3 && rng.random::<f64>() < sigmoid(z[accepted] as f64 / 3.0) {
-                    accepted += 1;
-                }
-                Round { logits: z, accepted }
-            })
-            .collect();
-        let (t, before, after) = fit(&rounds, 3);
-        for k in 0..3 {
-            assert!(t[k] > 1.5, "T_{k} = {}", t[k]);
-            assert!(after[k] <= before[k] / 2.0, "position {k}: {} → {}", before[k], after[k]);
-        }
-        assert!(reliability_svg(&rounds, &t, "test").contains("<polyline"));
-    }
 }
 
 /// Wraps a drafter and records, per round, its confidence logits (undoing the temperatures it
@@ -227,5 +191,41 @@ impl dspark_spec::Drafter for Recorder<'_> {
             }
         }
         self.inner.observe(context, accepted, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ece_of_perfect_and_of_overconfident_predictions() {
+        assert!(ece(&[0.5, 0.5], &[true, false]).abs() < 1e-12);
+        assert!((ece(&[0.9, 0.9], &[false, false]) - 0.9).abs() < 1e-12);
+    }
+
+    /// Rounds where the head is overconfident at every position: the fitted temperatures are
+    /// above 1 and the error falls.
+    #[test]
+    fn sts_cools_an_overconfident_head() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+        let rounds: Vec<Round> = (0..4000)
+            .map(|_| {
+                let z: Vec<f32> = (0..3).map(|_| rng.random_range(-1.0f32..4.0)).collect();
+                // True survival uses z / 3: the head's logits are three times too sharp.
+                let mut accepted = 0;
+                while accepted < 3 && rng.random::<f64>() < sigmoid(z[accepted] as f64 / 3.0) {
+                    accepted += 1;
+                }
+                Round { logits: z, accepted }
+            })
+            .collect();
+        let (t, before, after) = fit(&rounds, 3);
+        for k in 0..3 {
+            assert!(t[k] > 1.5, "T_{k} = {}", t[k]);
+            assert!(after[k] <= before[k] / 2.0, "position {k}: {} → {}", before[k], after[k]);
+        }
+        assert!(reliability_svg(&rounds, &t, "test").contains("<polyline"));
     }
 }
