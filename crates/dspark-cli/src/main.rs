@@ -129,17 +129,22 @@ struct GenerateArgs {
     /// Print one JSON object with the text, tokens and timing instead of streaming.
     #[arg(long)]
     json: bool,
+    /// With a drafter: also decode plainly afterwards and print both speeds, the acceptance per
+    /// draft position, and whether the outputs agree (greedy) — the speedup on this machine.
+    #[arg(long)]
+    compare: bool,
     #[command(flatten)]
     spec: DrafterArgs,
 }
 
 #[derive(Args, Clone)]
 pub struct DrafterArgs {
-    /// Speculative drafter: `none` (plain decoding), `ngram` (prompt lookup),
+    /// Speculative drafter: `auto` (the DSpark drafter shipped in drafters/ for this model, if
+    /// any, else plain decoding), `none` (plain decoding), `ngram` (prompt lookup),
     /// `draft:MODEL` (a small model with the same tokenizer, e.g. draft:qwen2.5-coder-0.5b), or a
     /// drafter checkpoint folder as `dspark:PATH`, `dflash:PATH` or `eagle3:PATH` (see
     /// `dspark init-drafter`). The output is the same as plain decoding either way.
-    #[arg(long, default_value = "none")]
+    #[arg(long, default_value = "auto")]
     pub drafter: String,
     /// γ: the most tokens drafted per round. Default: 3 for ngram and draft models (measured
     /// best on two cores; see docs/BENCHMARKS.md), the checkpoint's block for network drafters.
@@ -154,7 +159,13 @@ impl DrafterArgs {
             bail!("--draft-len must be at least 1; use --drafter none for plain decoding");
         }
         let gamma = self.draft_len.unwrap_or(3);
-        let (kind, arg) = self.drafter.split_once(':').unwrap_or((self.drafter.as_str(), ""));
+        let shipped = shipped_drafter(target_name);
+        let spec = match (self.drafter.as_str(), &shipped) {
+            ("auto", Some(dir)) => format!("dspark:{}", dir.display()),
+            ("auto", None) => "none".to_string(),
+            (s, _) => s.to_string(),
+        };
+        let (kind, arg) = spec.split_once(':').unwrap_or((spec.as_str(), ""));
         Ok(match kind {
             "none" => None,
             "ngram" => Some((Box::new(NgramDrafter::default()), gamma)),
@@ -174,6 +185,14 @@ impl DrafterArgs {
             ),
         })
     }
+}
+
+/// The DSpark drafter shipped with the repository for a target name, if there is one.
+pub fn shipped_drafter(target_name: &str) -> Option<PathBuf> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../drafters")
+        .join(format!("{target_name}-dspark-markov"));
+    dir.join("config.json").exists().then_some(dir)
 }
 
 pub fn prompt_tokens(model: &Model, text: &str, raw: bool) -> Result<Vec<u32>> {
@@ -247,6 +266,29 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
             line += &format!(", τ {tau:.2}");
         }
         eprintln!("{line}]");
+        if a.compare && s.get("tau").is_some() {
+            let g = generate(&model, &prompt, &params, |_| {})?;
+            let spec_tok_s = s["decode_tok_s"].as_f64().unwrap_or(0.0);
+            let acc: Vec<String> = s["accept_at"]
+                .as_array()
+                .map(|v| v.iter().map(|x| format!("{:.2}", x.as_f64().unwrap_or(0.0))).collect())
+                .unwrap_or_default();
+            eprintln!(
+                "[plain decoding {:.1} tok/s | speculative {:.1} tok/s = {:.2}× | acceptance per position {} | {}]",
+                g.stats.decode_tok_s,
+                spec_tok_s,
+                spec_tok_s / g.stats.decode_tok_s,
+                acc.join(" "),
+                if params.sampling.is_greedy() {
+                    if g.tokens == tokens { "same tokens as plain decoding" } else { "OUTPUTS DIFFER" }
+                } else {
+                    "sampled: same distribution as plain decoding"
+                }
+            );
+            if params.sampling.is_greedy() && g.tokens != tokens {
+                bail!("speculative output differs from plain greedy output — please report this bug");
+            }
+        }
     }
     Ok(())
 }
