@@ -46,11 +46,18 @@ pub enum DataCmd {
         /// Longest answer, in tokens.
         #[arg(long, default_value_t = 384)]
         max_tokens: usize,
-        /// Sequences decoded together.
+        /// Sequences decoded together (with --endpoint: requests in flight).
         #[arg(long, default_value_t = 8)]
         batch: usize,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Answer through an OpenAI-compatible server instead (e.g. `http://gpu-box:8000` running
+        /// vLLM or SGLang with the same target); --model still gives the tokenizer and template.
+        #[arg(long)]
+        endpoint: Option<String>,
+        /// The model name to send to the endpoint.
+        #[arg(long, default_value = "default")]
+        served_model: String,
     },
     /// Precompute the target's features of regenerated samples for training: the hidden states
     /// of the tapped layers and the final norm at every position, f16, memory-mapped by
@@ -137,7 +144,7 @@ pub fn run(cmd: DataCmd) -> Result<()> {
             })?;
             bar.finish();
         }
-        DataCmd::Regenerate { model, prompts, out, n, max_tokens, batch, seed } => {
+        DataCmd::Regenerate { model, prompts, out, n, max_tokens, batch, seed, endpoint, served_model } => {
             if batch == 0 || max_tokens == 0 {
                 bail!("--batch and --max-tokens must be at least 1");
             }
@@ -150,16 +157,14 @@ pub fn run(cmd: DataCmd) -> Result<()> {
             bar.set_style(indicatif::ProgressStyle::with_template(
                 "regenerating [{bar:30}] {pos}/{len} answers {elapsed} (eta {eta})",
             )?);
-            let written = data::regenerate(
-                &m,
-                &texts,
-                &out,
-                max_tokens,
-                batch,
-                seed,
-                &data::regen_sampling(),
-                |d, _| bar.set_position(d as u64),
-            )?;
+            let on = |d: usize, _| bar.set_position(d as u64);
+            let p = data::regen_sampling();
+            let written = match &endpoint {
+                Some(url) => {
+                    data::regenerate_remote(&m, url, &served_model, &texts, &out, max_tokens, batch, &p, on)?
+                }
+                None => data::regenerate(&m, &texts, &out, max_tokens, batch, seed, &p, on)?,
+            };
             bar.finish();
             eprintln!("wrote {written} answers to {}", out.display());
         }

@@ -265,3 +265,114 @@ pub fn regenerate(
     }
     Ok(written)
 }
+
+/// Answers `prompts` through an OpenAI-compatible chat endpoint (`http://host:port`, e.g. a vLLM
+/// or SGLang server running the same target), `workers` requests in flight. The answer text is
+/// tokenized with the target's tokenizer after the chat-templated prompt. Resumable like
+/// [`regenerate`].
+#[allow(clippy::too_many_arguments)]
+pub fn regenerate_remote(
+    model: &Model,
+    endpoint: &str,
+    served_model: &str,
+    prompts: &[String],
+    out: &Path,
+    max_tokens: usize,
+    workers: usize,
+    params: &SamplingParams,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<usize> {
+    if !endpoint.starts_with("http://") {
+        return Err(TrainError::Config(format!(
+            "endpoint `{endpoint}`: give an http:// address of an OpenAI-compatible server (TLS is not built in)"
+        )));
+    }
+    let url = format!("{}/v1/chat/completions", endpoint.trim_end_matches('/'));
+    let done: HashSet<usize> =
+        if out.exists() { read_samples(out)?.into_iter().map(|s| s.index).collect() } else { HashSet::new() };
+    let todo: Vec<usize> = (0..prompts.len()).filter(|i| !done.contains(i)).collect();
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(out)
+        .map_err(|e| TrainError::io(out, e))?;
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let (tx, rx) = std::sync::mpsc::channel::<std::result::Result<(usize, String), String>>();
+    let agent = ureq::AgentBuilder::new().timeout(std::time::Duration::from_secs(600)).build();
+    let mut written = 0;
+    let mut finished = done.len();
+    let mut first_error = None;
+    std::thread::scope(|scope| {
+        for _ in 0..workers.max(1) {
+            let (tx, agent, next, todo, url) = (tx.clone(), agent.clone(), &next, &todo, &url);
+            scope.spawn(move || loop {
+                let k = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let Some(&i) = todo.get(k) else { break };
+                let body = serde_json::json!({
+                    "model": served_model,
+                    "messages": [{"role": "user", "content": prompts[i]}],
+                    "max_tokens": max_tokens,
+                    "temperature": params.temperature,
+                    "top_p": params.top_p.unwrap_or(1.0),
+                    "top_k": params.top_k.map_or(-1, |k| k as i64),
+                });
+                let mut last = String::new();
+                let mut got = None;
+                for _ in 0..3 {
+                    match agent.post(url).send_json(body.clone()) {
+                        Ok(r) => match r.into_json::<serde_json::Value>() {
+                            Ok(v) => match v["choices"][0]["message"]["content"].as_str() {
+                                Some(t) => {
+                                    got = Some(t.to_string());
+                                    break;
+                                }
+                                None => last = format!("no choices[0].message.content in {v}"),
+                            },
+                            Err(e) => last = e.to_string(),
+                        },
+                        Err(e) => last = e.to_string(),
+                    }
+                }
+                let msg = got.map(|t| (i, t)).ok_or(format!("prompt {i}: {last}"));
+                if tx.send(msg).is_err() {
+                    break;
+                }
+            });
+        }
+        drop(tx);
+        for msg in rx {
+            match msg {
+                Ok((i, text)) => {
+                    let r = (|| -> Result<()> {
+                        let prompt = model.tokenizer.encode(&model.chat_prompt(&prompts[i])?, true)?;
+                        let mut tokens = prompt.clone();
+                        tokens.extend(model.tokenizer.encode(&text, false)?);
+                        let s = Sample { index: i, tokens, prompt_len: prompt.len() };
+                        writeln!(file, "{}", serde_json::to_string(&s).expect("sample serialises"))
+                            .map_err(|e| TrainError::io(out, e))?;
+                        file.flush().map_err(|e| TrainError::io(out, e))
+                    })();
+                    if let Err(e) = r {
+                        first_error.get_or_insert(e.to_string());
+                        next.store(usize::MAX / 2, std::sync::atomic::Ordering::SeqCst);
+                        continue;
+                    }
+                    written += 1;
+                    finished += 1;
+                    progress(finished, prompts.len());
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                    // Stop handing out prompts; what was written stays.
+                    next.store(usize::MAX / 2, std::sync::atomic::Ordering::SeqCst);
+                }
+            }
+        }
+    });
+    match first_error {
+        Some(e) => Err(TrainError::Data(format!(
+            "endpoint {endpoint}: {e} ({written} answers were saved; run again to resume)"
+        ))),
+        None => Ok(written),
+    }
+}

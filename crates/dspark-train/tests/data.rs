@@ -60,3 +60,106 @@ fn regeneration_is_the_same_for_any_batch_size_and_after_an_interruption() {
     assert_eq!(a, b);
     assert!(a.iter().all(|(_, toks, pl)| toks.len() > *pl), "every prompt got an answer");
 }
+
+/// A minimal OpenAI-compatible server on loopback: answers every chat request with `reply`
+/// (or HTTP 500 when `reply` is empty), echoing nothing else.
+fn fake_server(reply: &'static str, requests: usize) -> String {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for stream in l.incoming().take(requests) {
+            let mut s = stream.unwrap();
+            let mut r = BufReader::new(s.try_clone().unwrap());
+            let mut len = 0;
+            loop {
+                let mut line = String::new();
+                r.read_line(&mut line).unwrap();
+                if let Some(v) = line.to_lowercase().strip_prefix("content-length:") {
+                    len = v.trim().parse().unwrap();
+                }
+                if line == "\r\n" {
+                    break;
+                }
+            }
+            let mut body = vec![0; len];
+            r.read_exact(&mut body).unwrap();
+            let req: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(req["messages"][0]["role"], "user");
+            let (status, out) = if reply.is_empty() {
+                ("500 Internal Server Error", "{}".to_string())
+            } else {
+                (
+                    "200 OK",
+                    serde_json::json!({"choices": [{"message": {"role": "assistant", "content": reply}}]})
+                        .to_string(),
+                )
+            };
+            write!(s, "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{out}", out.len()).unwrap();
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[test]
+fn regeneration_through_an_openai_compatible_endpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = Tiny { family: "llama", hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, layers: 2, ffn: 96 };
+    write_hf(dir.path(), &t, &weights(&t, 9));
+    let m = Model::load(dir.path()).unwrap();
+    let prompts: Vec<String> = ["a b", "c d e", "f"].iter().map(|s| s.to_string()).collect();
+    let out = dir.path().join("remote.jsonl");
+    let url = fake_server("x y z", 3);
+    let n = dspark_train::data::regenerate_remote(
+        &m,
+        &url,
+        "tiny",
+        &prompts,
+        &out,
+        16,
+        2,
+        &regen_sampling(),
+        |_, _| {},
+    )
+    .unwrap();
+    assert_eq!(n, 3);
+    let mut got = read_samples(&out).unwrap();
+    got.sort_by_key(|s| s.index);
+    for (s, p) in got.iter().zip(&prompts) {
+        let want_prompt = m.tokenizer.encode(&m.chat_prompt(p).unwrap(), true).unwrap();
+        assert_eq!(&s.tokens[..s.prompt_len], &want_prompt[..]);
+        assert_eq!(&s.tokens[s.prompt_len..], &m.tokenizer.encode("x y z", false).unwrap()[..]);
+    }
+    let failing = fake_server("", 3);
+    let out2 = dir.path().join("failing.jsonl");
+    let err = dspark_train::data::regenerate_remote(
+        &m,
+        &failing,
+        "tiny",
+        &prompts[..1],
+        &out2,
+        16,
+        1,
+        &regen_sampling(),
+        |_, _| {},
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains("run again to resume"), "{err}");
+    let err = dspark_train::data::regenerate_remote(
+        &m,
+        "https://x",
+        "t",
+        &prompts,
+        &out2,
+        16,
+        1,
+        &regen_sampling(),
+        |_, _| {},
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains("http://"), "{err}");
+}
