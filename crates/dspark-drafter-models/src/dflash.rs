@@ -300,16 +300,19 @@ impl BlockModel {
                 let (kc, vc) = with_new(cache.kv.get(l).unwrap_or(&empty), &rows(&k)?, &rows(&v)?)?;
                 outs.push(layer.attn.attend(&rows(&q)?, &kc, &vc, None)?);
             }
-            x = (x + layer.attn.o.forward(&Tensor::cat(&outs, 0)?)?)?;
-            let h = rms_norm(&x, &layer.post_attention_norm, eps)?;
-            x = (&x + layer.mlp.forward(&h)?)?;
+            x = layer_tail(layer, &x, &Tensor::cat(&outs, 0)?)?;
         }
-        let x = rms_norm(&x, &self.norm, eps)?;
-        // DSpark: slot k drafts the token after it; DFlash: slots 1.. draft their own position.
+        self.drafting_slots(&x, seqs.len())
+    }
+
+    /// Final norm, then the rows of each block that make drafts. DSpark: slot k drafts the token
+    /// after it; DFlash: slots 1.. draft their own position.
+    fn drafting_slots(&self, x: &Tensor, blocks: usize) -> Result<Tensor> {
+        let x = rms_norm(x, &self.norm, self.config.rms_norm_eps)?;
+        let (b, g) = (self.config.block_size, self.gamma());
         let skip = usize::from(self.layout == BlockLayout::Dflash);
-        let g = self.gamma();
         let picked: Vec<Tensor> =
-            (0..seqs.len()).map(|s| x.narrow(0, s * b + skip, g)).collect::<candle_core::Result<_>>()?;
+            (0..blocks).map(|s| x.narrow(0, s * b + skip, g)).collect::<candle_core::Result<_>>()?;
         Ok(Tensor::cat(&picked, 0)?)
     }
 
@@ -403,16 +406,9 @@ impl BlockModel {
             let (kb, vb) = layer.attn.keys_values(&h, &rope)?;
             let k = Tensor::cat(&[&kc, &kb], 0)?;
             let v = Tensor::cat(&[&vc, &vb], 0)?;
-            x = (&x + layer.attn.o.forward(&layer.attn.attend(&q, &k, &v, Some(&mask))?)?)?;
-            let h = rms_norm(&x, &layer.post_attention_norm, eps)?;
-            x = (&x + layer.mlp.forward(&h)?)?;
+            x = layer_tail(layer, &x, &layer.attn.attend(&q, &k, &v, Some(&mask))?)?;
         }
-        let x = rms_norm(&x, &self.norm, eps)?;
-        let skip = usize::from(self.layout == BlockLayout::Dflash);
-        let g = self.gamma();
-        let picked: Vec<Tensor> =
-            (0..anchors.len()).map(|a| x.narrow(0, a * b + skip, g)).collect::<candle_core::Result<_>>()?;
-        Ok(Tensor::cat(&picked, 0)?)
+        self.drafting_slots(&x, anchors.len())
     }
 
     /// Training heads with teacher forcing: `prev[i]` is the token before slot i (the anchor,
@@ -467,6 +463,14 @@ impl BlockModel {
     pub fn lm_head(&self) -> &LmHead {
         &self.lm_head
     }
+}
+
+/// The rest of a pre-norm decoder layer after attention: output projection and residual, then
+/// the MLP block.
+fn layer_tail(layer: &DecoderLayer, x: &Tensor, attn: &Tensor) -> Result<Tensor> {
+    let x = (x + layer.attn.o.forward(attn)?)?;
+    let h = rms_norm(&x, &layer.post_attention_norm, layer.eps)?;
+    Ok((&x + layer.mlp.forward(&h)?)?)
 }
 
 /// The additive attention mask of a training step: rows are the blocks' slots, columns the `l`

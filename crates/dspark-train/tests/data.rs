@@ -130,36 +130,25 @@ fn regeneration_through_an_openai_compatible_endpoint() {
         assert_eq!(&s.tokens[..s.prompt_len], &want_prompt[..]);
         assert_eq!(&s.tokens[s.prompt_len..], &m.tokenizer.encode("x y z", false).unwrap()[..]);
     }
-    let failing = fake_server("", 3);
-    let out2 = dir.path().join("failing.jsonl");
-    let err = dspark_train::data::regenerate_remote(
-        &m,
-        &failing,
-        "tiny",
-        &prompts[..1],
-        &out2,
-        16,
-        1,
-        &regen_sampling(),
-        |_, _| {},
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let fail = |url: &str| {
+        let out2 = dir.path().join("failing.jsonl");
+        dspark_train::data::regenerate_remote(
+            &m,
+            url,
+            "tiny",
+            &prompts[..1],
+            &out2,
+            16,
+            1,
+            &regen_sampling(),
+            |_, _| {},
+        )
+        .err()
+        .unwrap()
+        .to_string()
+    };
+    let err = fail(&fake_server("", 3));
     assert!(err.contains("run again to resume"), "{err}");
-    let err = dspark_train::data::regenerate_remote(
-        &m,
-        "https://x",
-        "t",
-        &prompts,
-        &out2,
-        16,
-        1,
-        &regen_sampling(),
-        |_, _| {},
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let err = fail("https://x");
     assert!(err.contains("http://"), "{err}");
 }
