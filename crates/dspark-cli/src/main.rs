@@ -150,6 +150,10 @@ pub struct DrafterArgs {
     /// best on two cores; see docs/BENCHMARKS.md), the checkpoint's block for network drafters.
     #[arg(long)]
     pub draft_len: Option<usize>,
+    /// Verify only the drafts whose predicted prefix survival (product of a DSpark drafter's
+    /// calibrated confidences) is at least this; 0 verifies all γ. Output unchanged either way.
+    #[arg(long, default_value_t = 0.0)]
+    pub min_survival: f32,
 }
 
 impl DrafterArgs {
@@ -237,6 +241,7 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
                 sampling: params.sampling,
                 seed: params.seed,
                 stop_tokens: params.stop_tokens.clone(),
+                min_survival: a.spec.min_survival,
             };
             let r = generate_spec(&model, d.as_mut(), &prompt, &sp, &mut emit)?;
             (r.tokens, r.finish, r.stats.to_json())

@@ -74,6 +74,19 @@ fn greedy_repeating_dspark_accepts_whole_blocks_and_matches_plain_output() {
     let (got, tau) = spec(&m, d.as_mut(), &prompt, 40, 4);
     assert_eq!(got, want);
     assert!(tau > 1.05, "τ {tau}: the repeating drafter should be accepted on the repeated words");
+    // Verifying only confident prefixes changes what is verified, never the output.
+    for threshold in [0.2f32, 0.6, 0.95] {
+        let p = SpecParams {
+            max_tokens: 40,
+            draft_len: 4,
+            sampling: SamplingParams::default(),
+            seed: 0,
+            stop_tokens: m.tokenizer.eos().to_vec(),
+            min_survival: threshold,
+        };
+        let r = dspark_spec::generate_spec(&m, d.as_mut(), &prompt, &p, |_| {}).unwrap();
+        assert_eq!(r.tokens, want, "min_survival {threshold}");
+    }
 }
 
 /// Sampled drafting from a fixed context, many times: the first draft's empirical distribution
@@ -84,7 +97,7 @@ fn check_sampled(m: &Arc<Model>, mut d: Box<dyn Drafter>, what: &str, must_accep
     let params = SamplingParams { temperature: 0.7, top_k: Some(20), top_p: None };
     // A repetitive text, on which the drafter below proposes what the target expects.
     let prompt = m.tokenizer.encode(HELLO, false).unwrap();
-    let sp = SpecParams { max_tokens: 8, draft_len: 2, sampling: params, seed: 1, stop_tokens: vec![] };
+    let sp = SpecParams { max_tokens: 8, draft_len: 2, sampling: params, seed: 1, stop_tokens: vec![], min_survival: 0.0 };
     let seq = SpecSequence::start(m, d.as_mut(), &prompt, &sp).unwrap();
     let mut cache = m.new_cache(prompt.len());
     let logits = m

@@ -139,6 +139,7 @@ fn sampled_speculative_runs_repeat_with_the_same_seed() {
         sampling: SamplingParams { temperature: 0.8, top_k: Some(40), top_p: Some(0.9) },
         seed: 7,
         stop_tokens: m.tokenizer.eos().to_vec(),
+        min_survival: 0.0,
     };
     let path = common::model("smollm2-135m");
     let mut d = DraftModel::new(Model::load(&path).unwrap(), "self", &m).unwrap();

@@ -42,6 +42,23 @@ impl Proposal {
     pub fn is_empty(&self) -> bool {
         self.tokens.is_empty()
     }
+
+    /// Keeps the longest prefix whose survival `∏ confidence` is at least `threshold` (all of it
+    /// when the drafter gives no confidences).
+    pub fn truncate_below(&mut self, threshold: f32) {
+        let Some(c) = &self.confidence else { return };
+        let mut survival = 1.0;
+        let keep = c.iter().take_while(|&&x| {
+            survival *= x;
+            survival >= threshold
+        });
+        let keep = keep.count();
+        self.tokens.truncate(keep);
+        self.dists.truncate(keep);
+        if let Some(c) = self.confidence.as_mut() {
+            c.truncate(keep);
+        }
+    }
 }
 
 /// The target's hidden states for committed tokens, computed by the verify pass anyway.
@@ -76,4 +93,26 @@ pub trait Drafter {
     /// tokens that entered the target's cache this round (the old anchor and the accepted
     /// drafts). Drafters roll back their own state here.
     fn observe(&mut self, context: &[u32], accepted: usize, features: &TargetFeatures) -> DraftResult<()>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proposals_are_cut_where_prefix_survival_falls_below_the_threshold() {
+        let mut p = Proposal {
+            tokens: vec![1, 2, 3, 4],
+            dists: vec![DraftDist::OneHot; 4],
+            confidence: Some(vec![0.9, 0.8, 0.5, 0.99]),
+        };
+        let mut q = p.clone();
+        p.truncate_below(0.5); // 0.9, 0.72, 0.36 → keep two
+        assert_eq!((p.tokens.len(), p.dists.len(), p.confidence.as_ref().unwrap().len()), (2, 2, 2));
+        q.truncate_below(0.95);
+        assert!(q.is_empty());
+        let mut r = Proposal { tokens: vec![5, 6], dists: vec![DraftDist::OneHot; 2], confidence: None };
+        r.truncate_below(0.99);
+        assert_eq!(r.len(), 2, "no confidences: nothing to cut on");
+    }
 }

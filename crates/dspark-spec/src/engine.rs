@@ -35,6 +35,10 @@ pub struct SpecParams {
     pub sampling: SamplingParams,
     pub seed: u64,
     pub stop_tokens: Vec<u32>,
+    /// Verify only the drafts whose predicted prefix survival (the product of the drafter's
+    /// confidences) stays at or above this; 0 verifies every draft. The cut depends only on the
+    /// drafter's own outputs, so the output distribution is unchanged.
+    pub min_survival: f32,
 }
 
 /// One sequence being decoded. The target cache holds every committed token but the last one,
@@ -97,8 +101,11 @@ impl SpecSequence {
         // Draft.
         let t0 = Instant::now();
         let gamma = self.budget(p, target);
-        let proposal =
+        let mut proposal =
             if gamma > 0 { drafter.propose(&self.context, gamma, &p.sampling)? } else { Proposal::default() };
+        if p.min_survival > 0.0 {
+            proposal.truncate_below(p.min_survival);
+        }
         let t1 = Instant::now();
         // Verify: one target forward over [anchor, drafts], logits at every row.
         let block: Vec<u32> =
