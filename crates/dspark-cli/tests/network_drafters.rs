@@ -97,7 +97,14 @@ fn check_sampled(m: &Arc<Model>, mut d: Box<dyn Drafter>, what: &str, must_accep
     let params = SamplingParams { temperature: 0.7, top_k: Some(20), top_p: None };
     // A repetitive text, on which the drafter below proposes what the target expects.
     let prompt = m.tokenizer.encode(HELLO, false).unwrap();
-    let sp = SpecParams { max_tokens: 8, draft_len: 2, sampling: params, seed: 1, stop_tokens: vec![], min_survival: 0.0 };
+    let sp = SpecParams {
+        max_tokens: 8,
+        draft_len: 2,
+        sampling: params,
+        seed: 1,
+        stop_tokens: vec![],
+        min_survival: 0.0,
+    };
     let seq = SpecSequence::start(m, d.as_mut(), &prompt, &sp).unwrap();
     let mut cache = m.new_cache(prompt.len());
     let logits = m
