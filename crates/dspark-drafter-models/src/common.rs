@@ -167,6 +167,11 @@ impl DraftVocab {
         self.d2t.as_deref()
     }
 
+    /// The target id of every draft-vocabulary entry, in draft order.
+    pub fn target_ids(&self) -> Vec<u32> {
+        self.d2t.clone().unwrap_or_else(|| (0..self.full as u32).collect())
+    }
+
     pub fn to_target(&self, i: usize) -> u32 {
         self.d2t.as_ref().map_or(i as u32, |d| d[i])
     }
@@ -204,6 +209,18 @@ impl LmHead {
             None => Self::Target(target.clone()),
             Some(ids) => Self::Rows(target.lm_head_subset(ids)?),
         })
+    }
+
+    /// An 8-bit copy of a dense head for drafting.
+    pub fn quantize(&mut self) -> Result<()> {
+        if let Self::Dense(w) = self {
+            if w.dim(1)? % 32 == 0 {
+                let q =
+                    candle_core::quantized::QTensor::quantize(w, candle_core::quantized::GgmlDType::Q8_0)?;
+                *self = Self::Rows(QLinear::from_qtensor(q, dspark_kernels::KernelChoice::from_env())?);
+            }
+        }
+        Ok(())
     }
 
     /// `h`: `(n, hidden)` → `(n, V_d)`.
@@ -259,18 +276,4 @@ pub fn with_new(slot: &Option<(Tensor, Tensor)>, k: &Tensor, v: &Tensor) -> Resu
         None => (k.clone(), v.clone()),
         Some((k0, v0)) => (Tensor::cat(&[k0, k], 0)?, Tensor::cat(&[v0, v], 0)?),
     })
-}
-
-impl LmHead {
-    /// An 8-bit copy of a dense head for drafting.
-    pub fn quantize(&mut self) -> Result<()> {
-        if let Self::Dense(w) = self {
-            if w.dim(1)? % 32 == 0 {
-                let q =
-                    candle_core::quantized::QTensor::quantize(w, candle_core::quantized::GgmlDType::Q8_0)?;
-                *self = Self::Rows(QLinear::from_qtensor(q, dspark_kernels::KernelChoice::from_env())?);
-            }
-        }
-        Ok(())
-    }
 }

@@ -450,10 +450,7 @@ impl BlockModel {
     /// Replaces the shared head by a dense f32 copy of the target's rows, through which
     /// gradients reach the hidden states (training).
     pub fn use_dense_head(&mut self) -> Result<()> {
-        let ids: Vec<u32> = match self.vocab.ids() {
-            Some(ids) => ids.to_vec(),
-            None => (0..self.vocab.full() as u32).collect(),
-        };
+        let ids = self.vocab.target_ids();
         let rows = self.target.lm_head_rows(&ids)?;
         self.lm_head =
             LmHead::Dense(Tensor::from_vec(rows, (ids.len(), self.config.hidden_size), &Device::Cpu)?);

@@ -68,6 +68,10 @@ impl DrafterNet {
         }
     }
 
+    pub fn vocab(&self) -> &DraftVocab {
+        self.parts().1
+    }
+
     fn parts(&self) -> (&BTreeMap<String, Tensor>, &DraftVocab) {
         match self {
             Self::Block(m) => (m.tensors(), &m.vocab),
@@ -321,10 +325,7 @@ pub fn init(target: Arc<Model>, target_name: &str, o: &InitOptions) -> Result<Dr
     let vocab = DraftVocab::new(o.draft_vocab.clone(), target.config.vocab_size)?;
     let map = match o.method {
         Method::Eagle3 => {
-            let ids: Vec<u32> = match vocab.ids() {
-                Some(ids) => ids.to_vec(),
-                None => (0..target.config.vocab_size as u32).collect(),
-            };
+            let ids = vocab.target_ids();
             let rows = target.lm_head_rows(&ids)?;
             eagle3::init(
                 &config,

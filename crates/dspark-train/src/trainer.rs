@@ -178,14 +178,7 @@ impl Trainer {
         if let DrafterNet::Block(m) = &mut net {
             m.use_dense_head()?;
         }
-        let vocab = match &net {
-            DrafterNet::Block(m) => m.vocab.clone(),
-            DrafterNet::Eagle3(m) => m.vocab.clone(),
-        };
-        let ids: Vec<u32> = match vocab.ids() {
-            Some(ids) => ids.to_vec(),
-            None => (0..vocab.full() as u32).collect(),
-        };
+        let ids = net.vocab().target_ids();
         let t2d = ids.iter().enumerate().map(|(i, &t)| (t, i as u32)).collect();
         let target_head =
             Tensor::from_vec(target.lm_head_rows(&ids)?, (ids.len(), target.config.hidden), &Device::Cpu)?;
@@ -384,12 +377,8 @@ impl Trainer {
         for (name, v) in &self.opt.vars {
             tensors.insert(name.clone(), v.as_tensor().detach());
         }
-        let vocab = match &self.net {
-            DrafterNet::Block(m) => m.vocab.clone(),
-            DrafterNet::Eagle3(m) => m.vocab.clone(),
-        };
         tensors.remove("d2t");
-        dspark_drafter_models::save(&self.out, &self.config, &tensors, &vocab)?;
+        dspark_drafter_models::save(&self.out, &self.config, &tensors, self.net.vocab())?;
         let tmp = self.out.join("optimizer.safetensors.partial");
         self.opt.save(&tmp)?;
         std::fs::rename(&tmp, self.out.join("optimizer.safetensors"))
