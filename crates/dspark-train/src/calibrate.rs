@@ -2,83 +2,7 @@
 //! fitted left to right to minimise the ECE of the prefix survival `∏_{i≤k} σ(z_i / T_i)`
 //! against "the first k drafts were accepted", earlier temperatures held fixed.
 
-/// One verification round: the confidence head's logits (before any temperature) and how many
-/// of the drafts were accepted.
-#[derive(Debug, Clone)]
-pub struct Round {
-    pub logits: Vec<f32>,
-    pub accepted: usize,
-}
-
-pub const BINS: usize = 20;
-
-fn sigmoid(x: f64) -> f64 {
-    1.0 / (1.0 + (-x).exp())
-}
-
-/// Expected calibration error with equal-width bins: `Σ_b n_b/N · |mean(y) − mean(p)|`.
-pub fn ece(pred: &[f64], label: &[bool]) -> f64 {
-    if pred.is_empty() {
-        return 0.0;
-    }
-    let mut n = [0usize; BINS];
-    let (mut sp, mut sy) = ([0f64; BINS], [0f64; BINS]);
-    for (&p, &y) in pred.iter().zip(label) {
-        let b = ((p * BINS as f64) as usize).min(BINS - 1);
-        n[b] += 1;
-        sp[b] += p;
-        sy[b] += y as u8 as f64;
-    }
-    (0..BINS).filter(|&b| n[b] > 0).map(|b| (sy[b] - sp[b]).abs()).sum::<f64>() / pred.len() as f64
-}
-
-/// Prefix survival at position `k` (0-based) of every round that drafted that far, with the
-/// label "accepted at least k + 1".
-pub fn survival(rounds: &[Round], temps: &[f64], k: usize) -> (Vec<f64>, Vec<bool>) {
-    let mut pred = Vec::new();
-    let mut label = Vec::new();
-    for r in rounds.iter().filter(|r| r.logits.len() > k) {
-        let a: f64 =
-            (0..=k).map(|i| sigmoid(r.logits[i] as f64 / temps.get(i).copied().unwrap_or(1.0))).product();
-        pred.push(a);
-        label.push(r.accepted > k);
-    }
-    (pred, label)
-}
-
-/// The temperature grid: 256 log-spaced values in [0.05, 20], plus 1.
-pub fn grid() -> Vec<f64> {
-    let (lo, hi) = (0.05f64.ln(), 20f64.ln());
-    let mut g: Vec<f64> = (0..256).map(|i| (lo + (hi - lo) * i as f64 / 255.0).exp()).collect();
-    g.push(1.0);
-    g
-}
-
-/// Fits T_1..T_γ left to right; returns them with the ECE per position before (T = 1) and after.
-pub fn fit(rounds: &[Round], gamma: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
-    let ones = vec![1.0; gamma];
-    let mut temps: Vec<f64> = Vec::with_capacity(gamma);
-    let mut before = Vec::with_capacity(gamma);
-    let mut after = Vec::with_capacity(gamma);
-    for k in 0..gamma {
-        let (p, y) = survival(rounds, &ones, k);
-        before.push(ece(&p, &y));
-        let mut best: (f64, f64) = (f64::INFINITY, 1.0);
-        for t in grid() {
-            let mut trial = temps.clone();
-            trial.push(t);
-            let (p, y) = survival(rounds, &trial, k);
-            let e = ece(&p, &y);
-            // Ties go to the temperature closest to 1 (the least change).
-            if e < best.0 - 1e-12 || ((e - best.0).abs() <= 1e-12 && (t.ln()).abs() < best.1.ln().abs()) {
-                best = (e, t);
-            }
-        }
-        temps.push(best.1);
-        after.push(best.0);
-    }
-    (temps, before, after)
-}
+pub use dspark_schedule::calibration::{ece, fit, grid, sigmoid, survival, Round, BINS};
 
 /// A reliability diagram (SVG): per position, observed acceptance against predicted prefix
 /// survival in 10 bins, before and after calibration, with the diagonal.
@@ -199,33 +123,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn ece_of_perfect_and_of_overconfident_predictions() {
-        assert!(ece(&[0.5, 0.5], &[true, false]).abs() < 1e-12);
-        assert!((ece(&[0.9, 0.9], &[false, false]) - 0.9).abs() < 1e-12);
-    }
-
-    /// Rounds where the head is overconfident at every position: the fitted temperatures are
-    /// above 1 and the error falls.
-    #[test]
-    fn sts_cools_an_overconfident_head() {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
-        let rounds: Vec<Round> = (0..4000)
-            .map(|_| {
-                let z: Vec<f32> = (0..3).map(|_| rng.random_range(-1.0f32..4.0)).collect();
-                // True survival uses z / 3: the head's logits are three times too sharp.
-                let mut accepted = 0;
-                while accepted < 3 && rng.random::<f64>() < sigmoid(z[accepted] as f64 / 3.0) {
-                    accepted += 1;
-                }
-                Round { logits: z, accepted }
-            })
-            .collect();
-        let (t, before, after) = fit(&rounds, 3);
-        for k in 0..3 {
-            assert!(t[k] > 1.5, "T_{k} = {}", t[k]);
-            assert!(after[k] <= before[k] / 2.0, "position {k}: {} → {}", before[k], after[k]);
-        }
-        assert!(reliability_svg(&rounds, &t, "test").contains("<polyline"));
+    fn reliability_diagram_plots_both_curves() {
+        let rounds: Vec<Round> =
+            (0..200).map(|i| Round { logits: vec![(i % 7) as f32 - 3.0, 1.0], accepted: i % 3 }).collect();
+        let svg = reliability_svg(&rounds, &[1.5, 0.8], "test");
+        assert_eq!(svg.matches("<polyline").count(), 4, "two positions × before/after");
     }
 }

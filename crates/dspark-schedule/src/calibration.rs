@@ -1,0 +1,299 @@
+//! Sequential temperature scaling (DSPARK.md §3): per draft position k, one temperature T_k,
+//! fitted left to right to minimise the ECE of the prefix survival `∏_{i≤k} σ(z_i / T_i)`
+//! against "the first k drafts were accepted", earlier temperatures held fixed.
+//!
+//! [`OnlineCalibration`] refits the same temperatures while serving, on a sliding window of
+//! verified rounds, per workload tag.
+
+use std::collections::{BTreeMap, VecDeque};
+
+/// One verification round: the confidence head's logits (before any temperature) and how many
+/// of the drafts were accepted.
+#[derive(Debug, Clone)]
+pub struct Round {
+    pub logits: Vec<f32>,
+    pub accepted: usize,
+}
+
+pub const BINS: usize = 20;
+
+pub fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// Expected calibration error with equal-width bins: `Σ_b n_b/N · |mean(y) − mean(p)|`.
+pub fn ece(pred: &[f64], label: &[bool]) -> f64 {
+    if pred.is_empty() {
+        return 0.0;
+    }
+    let mut n = [0usize; BINS];
+    let (mut sp, mut sy) = ([0f64; BINS], [0f64; BINS]);
+    for (&p, &y) in pred.iter().zip(label) {
+        let b = ((p * BINS as f64) as usize).min(BINS - 1);
+        n[b] += 1;
+        sp[b] += p;
+        sy[b] += y as u8 as f64;
+    }
+    (0..BINS).filter(|&b| n[b] > 0).map(|b| (sy[b] - sp[b]).abs()).sum::<f64>() / pred.len() as f64
+}
+
+/// Prefix survival at position `k` (0-based) of every round that drafted that far, with the
+/// label "accepted at least k + 1".
+pub fn survival(rounds: &[Round], temps: &[f64], k: usize) -> (Vec<f64>, Vec<bool>) {
+    let mut pred = Vec::new();
+    let mut label = Vec::new();
+    for r in rounds.iter().filter(|r| r.logits.len() > k) {
+        let a: f64 =
+            (0..=k).map(|i| sigmoid(r.logits[i] as f64 / temps.get(i).copied().unwrap_or(1.0))).product();
+        pred.push(a);
+        label.push(r.accepted > k);
+    }
+    (pred, label)
+}
+
+/// The temperature grid: 256 log-spaced values in [0.05, 20], plus 1.
+pub fn grid() -> Vec<f64> {
+    let (lo, hi) = (0.05f64.ln(), 20f64.ln());
+    let mut g: Vec<f64> = (0..256).map(|i| (lo + (hi - lo) * i as f64 / 255.0).exp()).collect();
+    g.push(1.0);
+    g
+}
+
+/// Fits T_1..T_γ left to right; returns them with the ECE per position before (T = 1) and after.
+pub fn fit(rounds: &[Round], gamma: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    fit_with(rounds, gamma, &grid())
+}
+
+/// [`fit`] over a given temperature grid.
+pub fn fit_with(rounds: &[Round], gamma: usize, grid: &[f64]) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let ones = vec![1.0; gamma];
+    let mut temps: Vec<f64> = Vec::with_capacity(gamma);
+    let mut before = Vec::with_capacity(gamma);
+    let mut after = Vec::with_capacity(gamma);
+    for k in 0..gamma {
+        let (p, y) = survival(rounds, &ones, k);
+        before.push(ece(&p, &y));
+        let mut best: (f64, f64) = (f64::INFINITY, 1.0);
+        for &t in grid {
+            let mut trial = temps.clone();
+            trial.push(t);
+            let (p, y) = survival(rounds, &trial, k);
+            let e = ece(&p, &y);
+            // Ties go to the temperature closest to 1 (the least change).
+            if e < best.0 - 1e-12 || ((e - best.0).abs() <= 1e-12 && (t.ln()).abs() < best.1.ln().abs()) {
+                best = (e, t);
+            }
+        }
+        temps.push(best.1);
+        after.push(best.0);
+    }
+    (temps, before, after)
+}
+
+
+/// Logit of a probability, clamped away from 0 and 1.
+pub fn logit(p: f32) -> f32 {
+    let p = (p as f64).clamp(1e-6, 1.0 - 1e-6);
+    (p / (1.0 - p)).ln() as f32
+}
+
+/// The online rule, per tag (and for all traffic together):
+/// - every verified round adds its verified drafts' confidence logits and its accepted count to
+///   a sliding window of the last `window` rounds; drafts beyond the verified length are never
+///   labelled, so they are left out (position k learns from rounds that verified ≥ k drafts);
+/// - every `refit_every` new rounds, once `min_rounds` are in the window, the temperatures are
+///   refitted by STS over the window (a 33-point grid in [0.1, 10] plus 1);
+/// - a request uses its tag's temperatures once that tag has been fitted, else the global ones.
+///
+/// Temperatures used at a step come from rounds already verified, and a temperature maps each
+/// confidence monotonically, so admission stays non-anticipating and the output exact.
+#[derive(Debug, Clone)]
+pub struct OnlineConfig {
+    pub window: usize,
+    pub refit_every: usize,
+    pub min_rounds: usize,
+}
+
+impl Default for OnlineConfig {
+    fn default() -> Self {
+        Self { window: 1024, refit_every: 32, min_rounds: 64 }
+    }
+}
+
+#[derive(Debug, Default, Clone)]
+struct Track {
+    rounds: VecDeque<Round>,
+    temps: Vec<f64>,
+    fits: usize,
+    since_fit: usize,
+    /// (survival predicted at decision time, realised) for the ECE reported in metrics.
+    used: VecDeque<(f64, bool)>,
+}
+
+/// Summary of one calibration track, for metrics and logs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrackStatus {
+    pub tag: String,
+    pub rounds: usize,
+    pub fits: usize,
+    pub temperatures: Vec<f64>,
+    /// ECE of the survivals the scheduler actually used, over the window.
+    pub ece: f64,
+}
+
+pub const GLOBAL: &str = "global";
+
+#[derive(Debug, Clone)]
+pub struct OnlineCalibration {
+    pub config: OnlineConfig,
+    gamma: usize,
+    grid: Vec<f64>,
+    tracks: BTreeMap<String, Track>,
+}
+
+impl OnlineCalibration {
+    pub fn new(gamma: usize, config: OnlineConfig) -> Self {
+        let (lo, hi) = (0.1f64.ln(), 10f64.ln());
+        let mut grid: Vec<f64> = (0..33).map(|i| (lo + (hi - lo) * i as f64 / 32.0).exp()).collect();
+        grid.push(1.0);
+        Self { config, gamma, grid, tracks: BTreeMap::new() }
+    }
+
+    fn temps_for(&self, tag: Option<&str>) -> &[f64] {
+        let fitted = |t: &str| self.tracks.get(t).filter(|t| t.fits > 0).map(|t| t.temps.as_slice());
+        tag.and_then(fitted).or_else(|| fitted(GLOBAL)).unwrap_or(&[])
+    }
+
+    /// Prefix survivals `a_k = ∏_{i≤k} σ(logit(c_i) / T_i)` for one request's drafts, from the
+    /// drafter's confidences `c` (already offline-calibrated).
+    pub fn survival(&self, tag: Option<&str>, confidence: &[f32]) -> Vec<f32> {
+        let temps = self.temps_for(tag);
+        let mut a = 1.0f64;
+        confidence
+            .iter()
+            .enumerate()
+            .map(|(k, &c)| {
+                let t = temps.get(k).copied().unwrap_or(1.0);
+                a *= sigmoid(logit(c) as f64 / t);
+                a as f32
+            })
+            .collect()
+    }
+
+    /// Records a verified round: the confidences of the drafts that were verified, the
+    /// survivals the scheduler used for them, and how many were accepted.
+    pub fn observe(&mut self, tag: Option<&str>, confidence: &[f32], used: &[f32], accepted: usize) {
+        if confidence.is_empty() {
+            return;
+        }
+        let round = Round { logits: confidence.iter().map(|&c| logit(c)).collect(), accepted };
+        let names: Vec<&str> = std::iter::once(GLOBAL).chain(tag.filter(|t| *t != GLOBAL)).collect();
+        for name in names {
+            let tr = self.tracks.entry(name.to_string()).or_default();
+            tr.rounds.push_back(round.clone());
+            if tr.rounds.len() > self.config.window {
+                tr.rounds.pop_front();
+            }
+            for (k, &a) in used.iter().enumerate() {
+                tr.used.push_back((a as f64, accepted > k));
+            }
+            while tr.used.len() > self.config.window * 4 {
+                tr.used.pop_front();
+            }
+            tr.since_fit += 1;
+            if tr.since_fit >= self.config.refit_every && tr.rounds.len() >= self.config.min_rounds {
+                let rounds: Vec<Round> = tr.rounds.iter().cloned().collect();
+                tr.temps = fit_with(&rounds, self.gamma, &self.grid).0;
+                tr.fits += 1;
+                tr.since_fit = 0;
+            }
+        }
+    }
+
+    pub fn status(&self) -> Vec<TrackStatus> {
+        self.tracks
+            .iter()
+            .map(|(tag, t)| {
+                let (p, y): (Vec<f64>, Vec<bool>) = t.used.iter().copied().unzip();
+                TrackStatus {
+                    tag: tag.clone(),
+                    rounds: t.rounds.len(),
+                    fits: t.fits,
+                    temperatures: t.temps.clone(),
+                    ece: ece(&p, &y),
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ece_of_perfect_and_of_overconfident_predictions() {
+        assert!(ece(&[0.5, 0.5], &[true, false]).abs() < 1e-12);
+        assert!((ece(&[0.9, 0.9], &[false, false]) - 0.9).abs() < 1e-12);
+    }
+
+    /// Rounds where the head is overconfident at every position: the fitted temperatures are
+    /// above 1 and the error falls.
+    #[test]
+    fn sts_cools_an_overconfident_head() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+        let rounds: Vec<Round> = (0..4000)
+            .map(|_| {
+                let z: Vec<f32> = (0..3).map(|_| rng.random_range(-1.0f32..4.0)).collect();
+                // True survival uses z / 3: the head's logits are three times too sharp.
+                let mut accepted = 0;
+                while accepted < 3 && rng.random::<f64>() < sigmoid(z[accepted] as f64 / 3.0) {
+                    accepted += 1;
+                }
+                Round { logits: z, accepted }
+            })
+            .collect();
+        let (t, before, after) = fit(&rounds, 3);
+        for k in 0..3 {
+            assert!(t[k] > 1.5, "T_{k} = {}", t[k]);
+            assert!(after[k] <= before[k] / 2.0, "position {k}: {} → {}", before[k], after[k]);
+        }
+    }
+
+    /// A workload whose drafts survive far less often than the drafter claims: after enough
+    /// rounds the online temperatures pull the survivals down and the error of what the
+    /// scheduler uses falls; another tag keeps its own calibration.
+    #[test]
+    fn online_calibration_learns_a_workload_and_keeps_tags_apart() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        let mut cal = OnlineCalibration::new(3, OnlineConfig::default());
+        let conf = [0.9f32, 0.9, 0.9];
+        let truth = 0.5; // each draft survives half the time
+        let mut errors = Vec::new();
+        for round in 0..1500 {
+            let used = cal.survival(Some("chat"), &conf);
+            let mut accepted = 0;
+            while accepted < 3 && rng.random::<f64>() < truth {
+                accepted += 1;
+            }
+            cal.observe(Some("chat"), &conf, &used, accepted);
+            if round == 0 || round == 1499 {
+                errors.push((used[0] - 0.5).abs());
+            }
+        }
+        assert!(errors[0] > 0.35, "starts overconfident");
+        assert!(errors[1] < 0.08, "ends near the true survival: {}", errors[1]);
+        let s = cal.status();
+        let chat = s.iter().find(|t| t.tag == "chat").unwrap();
+        assert!(chat.fits > 10 && chat.temperatures[0] > 1.0);
+        assert_eq!(cal.survival(Some("code"), &conf), cal.survival(None, &conf), "unknown tags use the global fit");
+        // A tag with perfect acceptance learns to trust the drafter again.
+        for _ in 0..400 {
+            let used = cal.survival(Some("code"), &conf);
+            cal.observe(Some("code"), &conf, &used, 3);
+        }
+        assert!(cal.survival(Some("code"), &conf)[0] > cal.survival(Some("chat"), &conf)[0] + 0.3);
+    }
+}
