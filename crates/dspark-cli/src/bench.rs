@@ -11,6 +11,10 @@ use std::time::Instant;
 
 #[derive(Subcommand)]
 pub enum BenchCmd {
+    /// Load the OpenAI server over loopback with N concurrent streaming clients per policy and
+    /// concurrency level: per-user and aggregate tokens/s, mean verify budget, and a plot of one
+    /// against the other.
+    Serve(crate::serve_bench::ServeBenchArgs),
     /// Time one forward of k new tokens over a cache (logits at all k rows) for k = 1…32: the
     /// cost table a verification scheduler needs.
     Forward {
@@ -92,6 +96,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
         BenchCmd::Decode { model, prompts, n, max_tokens, temperature, skip, spec } => {
             decode(&model, prompts.as_deref(), n, max_tokens, temperature, skip, &spec)
         }
+        BenchCmd::Serve(a) => crate::serve_bench::run(a),
     }
 }
 

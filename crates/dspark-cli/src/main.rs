@@ -4,6 +4,8 @@
 mod bench;
 mod calibrate;
 mod data;
+mod serve;
+mod serve_bench;
 mod train;
 
 use anyhow::{bail, Context, Result};
@@ -72,6 +74,12 @@ enum Cmd {
     /// Training data: prompts and target-regenerated answers.
     #[command(subcommand)]
     Data(data::DataCmd),
+    /// Measure the cost table the hardware-aware verification policies plan with: seconds per
+    /// target forward at B verify tokens and per drafting round at R sequences.
+    Profile(serve::ProfileArgs),
+    /// Serve an OpenAI-compatible API (chat and text completions, streaming, /metrics) with
+    /// continuous batching and speculative decoding.
+    Serve(serve::ServeArgs),
     /// Benchmarks that print figures (never timed tests).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -473,6 +481,8 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Data(d) => data::run(d)?,
         Cmd::Train(t) => train::run(t)?,
         Cmd::Calibrate(c) => calibrate::run(c)?,
+        Cmd::Profile(p) => serve::run_profile(p)?,
+        Cmd::Serve(sv) => serve::run_serve(sv)?,
     }
     Ok(())
 }

@@ -47,19 +47,17 @@ pub(crate) fn choose(
     i
 }
 
-/// Drafts for several sequences with one backbone pass and one LM-head product; each entry
-/// is a sequence's state and its committed tokens (last = anchor).
-pub fn propose_batch(
-    net: &BlockModel,
-    seqs: &mut [(&mut BlockSeq, &[u32])],
-    max_len: usize,
-    params: &SamplingParams,
-) -> DraftResult<Vec<Proposal>> {
+/// One sequence's part of a batched drafting call: its state, its committed tokens (last =
+/// anchor) and how its drafts are chosen.
+pub type BatchEntry<'a> = (&'a mut BlockSeq, &'a [u32], &'a SamplingParams);
+
+/// Drafts for several sequences with one backbone pass and one LM-head product.
+pub fn propose_batch(net: &BlockModel, seqs: &mut [BatchEntry], max_len: usize) -> DraftResult<Vec<Proposal>> {
     let n = max_len.min(net.gamma());
     if n == 0 || seqs.is_empty() {
         return Ok(seqs.iter().map(|_| Proposal::default()).collect());
     }
-    for (s, ctx) in seqs.iter() {
+    for (s, ctx, _) in seqs.iter() {
         if s.cache.len() + 1 != ctx.len() {
             return Err(DraftError::Incompatible(format!(
                 "drafter state holds {} committed rows but the context has {} tokens; \
@@ -70,12 +68,12 @@ pub fn propose_batch(
         }
     }
     let blocks: Vec<(&ContextCache, u32)> =
-        seqs.iter().map(|(s, c)| (&s.cache, *c.last().unwrap())).collect();
+        seqs.iter().map(|(s, c, _)| (&s.cache, *c.last().unwrap())).collect();
     let hidden = net.block_hidden(&blocks).map_err(net_error)?;
     let raw = net.raw_logits(&hidden).map_err(net_error)?;
     let g = net.gamma();
     let mut out = Vec::with_capacity(seqs.len());
-    for (i, (s, ctx)) in seqs.iter_mut().enumerate() {
+    for (i, (s, ctx, params)) in seqs.iter_mut().enumerate() {
         let rows = |t: &candle_core::Tensor| t.narrow(0, i * g, g);
         let (h, r) = (rows(&hidden).map_err(candle)?, rows(&raw).map_err(candle)?);
         let mut dists = Vec::with_capacity(n);
@@ -135,7 +133,7 @@ impl Drafter for BlockDrafter {
     fn propose(&mut self, context: &[u32], max_len: usize, params: &SamplingParams) -> DraftResult<Proposal> {
         let seq =
             self.seq.as_mut().ok_or_else(|| DraftError::Incompatible("propose() before begin()".into()))?;
-        Ok(propose_batch(&self.net, &mut [(seq, context)], max_len, params)?.remove(0))
+        Ok(propose_batch(&self.net, &mut [(seq, context, params)], max_len)?.remove(0))
     }
 
     fn observe(&mut self, _context: &[u32], _accepted: usize, features: &TargetFeatures) -> DraftResult<()> {

@@ -5,7 +5,7 @@ mod draft_model;
 mod eagle3;
 mod ngram;
 
-pub use block::{propose_batch, BlockDrafter, BlockSeq};
+pub use block::{propose_batch, BatchEntry, BlockDrafter, BlockSeq};
 pub use draft_model::DraftModel;
 pub use eagle3::Eagle3Drafter;
 pub use ngram::NgramDrafter;

@@ -5,7 +5,7 @@ use candle_core::Tensor;
 use dspark_drafter_models::{
     BlockLayout, BlockModel, ContextCache, DrafterNet, HeadKind, InitOptions, Method,
 };
-use dspark_drafters::{propose_batch, BlockDrafter, BlockSeq, Eagle3Drafter};
+use dspark_drafters::{propose_batch, BatchEntry, BlockDrafter, BlockSeq, Eagle3Drafter};
 use dspark_model::testing::{weights, write_hf, Tiny};
 use dspark_model::{Model, SeqInput, TapSpec};
 use dspark_sampling::SamplingParams;
@@ -265,13 +265,13 @@ fn batched_drafting_equals_drafting_each_alone() {
             BlockSeq::new(&m, &f, 100 + i as u64).unwrap()
         };
         let mut together: Vec<BlockSeq> = (0..3).map(fresh).collect();
-        let mut refs: Vec<(&mut BlockSeq, &[u32])> =
-            together.iter_mut().zip(&contexts).map(|(s, c)| (s, c.as_slice())).collect();
-        let batch = propose_batch(&m, &mut refs, 4, &params).unwrap();
+        let mut refs: Vec<BatchEntry> =
+            together.iter_mut().zip(&contexts).map(|(s, c)| (s, c.as_slice(), &params)).collect();
+        let batch = propose_batch(&m, &mut refs, 4).unwrap();
         for i in 0..3 {
             let mut alone = fresh(i);
             let one =
-                propose_batch(&m, &mut [(&mut alone, contexts[i].as_slice())], 4, &params).unwrap().remove(0);
+                propose_batch(&m, &mut [(&mut alone, contexts[i].as_slice(), &params)], 4).unwrap().remove(0);
             assert_eq!(batch[i].tokens, one.tokens, "sequence {i}");
             assert_eq!(batch[i].tokens.len(), 4);
             let (a, b) =

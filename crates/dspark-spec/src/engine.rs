@@ -140,32 +140,47 @@ impl SpecSequence {
 
     /// Applies stop tokens and `max_tokens` to the tokens just committed; returns those kept.
     fn finish_check(&mut self, n_new: usize, p: &SpecParams) -> Vec<u32> {
-        let start = self.context.len() - n_new;
-        let already = start - self.prompt_len;
-        let mut keep = Vec::new();
-        for (i, &t) in self.context[start..].iter().enumerate() {
-            if p.stop_tokens.contains(&t) {
-                self.finish = Some(FinishReason::Stop);
-                self.context.truncate(start + i);
-                return keep;
-            }
-            keep.push(t);
-            if already + keep.len() >= p.max_tokens {
-                self.finish = Some(FinishReason::Length);
-                self.context.truncate(start + i + 1);
-                return keep;
-            }
-        }
+        let (keep, finish) =
+            apply_stops(&mut self.context, self.prompt_len, n_new, &p.stop_tokens, p.max_tokens);
+        self.finish = finish;
         keep
     }
 }
 
-fn wants(t: &TapSpec) -> bool {
+/// Applies stop tokens and `max_tokens` to the last `n_new` tokens of `context` (which starts
+/// with a prompt of `prompt_len`): truncates after a finish and returns the tokens to emit (a
+/// stop token is not emitted) with the finish reason, if reached.
+pub fn apply_stops(
+    context: &mut Vec<u32>,
+    prompt_len: usize,
+    n_new: usize,
+    stop_tokens: &[u32],
+    max_tokens: usize,
+) -> (Vec<u32>, Option<FinishReason>) {
+    let start = context.len() - n_new;
+    let already = start - prompt_len;
+    let mut keep = Vec::new();
+    for i in 0..n_new {
+        let t = context[start + i];
+        if stop_tokens.contains(&t) {
+            context.truncate(start + i);
+            return (keep, Some(FinishReason::Stop));
+        }
+        keep.push(t);
+        if already + keep.len() >= max_tokens {
+            context.truncate(start + i + 1);
+            return (keep, Some(FinishReason::Length));
+        }
+    }
+    (keep, None)
+}
+
+pub fn wants(t: &TapSpec) -> bool {
     !t.layers.is_empty() || t.final_norm
 }
 
 /// Appends the first `rows` rows (of width `d`) of a forward's hidden states.
-fn append_features(f: &mut TargetFeatures, out: SeqOutput, rows: usize, d: usize) {
+pub fn append_features(f: &mut TargetFeatures, out: SeqOutput, rows: usize, d: usize) {
     if out.taps.is_empty() && out.final_norm.is_none() {
         return;
     }

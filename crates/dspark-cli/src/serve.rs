@@ -1,0 +1,232 @@
+//! `dspark profile` and `dspark serve`: the cost table and the OpenAI-compatible server.
+
+use crate::ModelArg;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use dspark_drafter_models::{BlockModel, DrafterNet};
+use dspark_engine::{EngineConfig, EngineHandle};
+use dspark_model::Model;
+use dspark_schedule::{CostTable, Policy};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(Args, Clone)]
+pub struct ServeDrafter {
+    /// `auto` (the DSpark drafter shipped in drafters/ for this model, else none), `none`, or a
+    /// checkpoint folder as `dspark:PATH` / `dflash:PATH`. The engine drafts for all running
+    /// requests in one batched pass, which these block drafters support.
+    #[arg(long, default_value = "auto")]
+    pub drafter: String,
+}
+
+impl ServeDrafter {
+    /// The drafter network and its display name; `None` for plain decoding.
+    pub fn load(&self, target: &Arc<Model>, target_name: &str) -> Result<Option<(Arc<BlockModel>, String)>> {
+        let spec = match (self.drafter.as_str(), crate::shipped_drafter(target_name)) {
+            ("auto", Some(dir)) => format!("dspark:{}", dir.display()),
+            ("auto", None) | ("none", _) => return Ok(None),
+            (s, _) => s.to_string(),
+        };
+        let Some((kind, dir)) = spec.split_once(':').filter(|(k, _)| matches!(*k, "dspark" | "dflash")) else {
+            bail!("the server drafts with dspark:PATH or dflash:PATH checkpoints (or none); got `{spec}`");
+        };
+        let dir = Path::new(dir);
+        let mut net = dspark_drafter_models::load(dir, target.clone(), target_name)
+            .with_context(|| format!("loading drafter {}", dir.display()))?;
+        net.quantize_for_inference()?;
+        let name = format!("{kind}:{}", dir.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default());
+        match net {
+            DrafterNet::Block(m) => Ok(Some((Arc::new(m), name))),
+            DrafterNet::Eagle3(_) => bail!("{} is an EAGLE-3 drafter; the server needs a dspark: or dflash: one", dir.display()),
+        }
+    }
+}
+
+#[derive(Args)]
+pub struct ProfileArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    #[command(flatten)]
+    pub drafter: ServeDrafter,
+    /// Timings per size (the median is kept).
+    #[arg(long, default_value_t = 5)]
+    pub reps: usize,
+    /// Where to write the table (JSON), for `dspark serve --profile`.
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+pub fn run_profile(a: ProfileArgs) -> Result<()> {
+    let target = Arc::new(a.model.load()?);
+    let drafter = a.drafter.load(&target, &a.model.name())?;
+    let t = measure(&target, &a.model.name(), drafter.as_ref(), a.reps)?;
+    t.save(&a.out).with_context(|| format!("writing {}", a.out.display()))?;
+    eprintln!("wrote {}", a.out.display());
+    Ok(())
+}
+
+fn measure(target: &Model, name: &str, drafter: Option<&(Arc<BlockModel>, String)>, reps: usize) -> Result<CostTable> {
+    let d = drafter.map(|(m, n)| (m.as_ref(), n.as_str()));
+    let t = dspark_engine::profile(target, name, d, reps, |line| eprintln!("  {line}"))?;
+    let one = t.forward_s(1);
+    eprintln!(
+        "  SPS(1) = {:.1} steps/s; a forward at B = 8 costs {:.2}× one token{}",
+        1.0 / one,
+        t.forward_s(8) / one,
+        if t.draft.is_empty() { String::new() } else { format!(", a drafting round {:.2}×", t.draft_s(1) / one) }
+    );
+    Ok(t)
+}
+
+#[derive(Args, Clone)]
+pub struct EngineArgs {
+    #[command(flatten)]
+    pub drafter: ServeDrafter,
+    /// γ: the most drafts per request per step (default: the drafter's block).
+    #[arg(long)]
+    pub draft_len: Option<usize>,
+    /// A cost table from `dspark profile`; without one the server profiles at start.
+    #[arg(long)]
+    pub profile: Option<PathBuf>,
+    /// Requests decoded together at most.
+    #[arg(long, default_value_t = 64)]
+    pub max_running: usize,
+    /// Requests waiting at most; more get HTTP 429.
+    #[arg(long, default_value_t = 256)]
+    pub max_queue: usize,
+    /// KV cache positions the running requests may reserve together.
+    #[arg(long, default_value_t = 65536)]
+    pub kv_tokens: usize,
+    /// Prompt tokens prefilled per step alongside decoding.
+    #[arg(long, default_value_t = 256)]
+    pub prefill_chunk: usize,
+    /// Keep the drafter's offline calibration fixed instead of refitting it on live traffic.
+    #[arg(long)]
+    pub no_online_calibration: bool,
+}
+
+pub type LoadedDrafter = Option<(Arc<BlockModel>, String)>;
+
+impl EngineArgs {
+    /// The cost table: loaded from --profile, or measured now.
+    pub fn cost_table(&self, target: &Model, target_name: &str, drafter: &LoadedDrafter) -> Result<CostTable> {
+        match &self.profile {
+            Some(p) => {
+                let t = CostTable::load(p)?;
+                if t.model != target_name {
+                    eprintln!("warning: {} was measured for {}, not {target_name}", p.display(), t.model);
+                }
+                if drafter.is_some() && t.draft.is_empty() {
+                    eprintln!("warning: {} has no drafter timings; drafting is treated as free", p.display());
+                }
+                eprintln!("cost table: loaded {}", p.display());
+                Ok(t)
+            }
+            None => {
+                let t0 = std::time::Instant::now();
+                eprintln!(
+                    "cost table: profiling {target_name} at start (save one with `dspark profile --out FILE` \
+                     and pass --profile FILE to skip)"
+                );
+                let t = measure(target, target_name, drafter.as_ref(), 3)?;
+                eprintln!("cost table: profiled in {:.1} s", t0.elapsed().as_secs_f64());
+                Ok(t)
+            }
+        }
+    }
+
+    /// Starts an engine with `policy`.
+    pub fn spawn(
+        &self,
+        policy: Policy,
+        target: Arc<Model>,
+        drafter: &LoadedDrafter,
+        cost: CostTable,
+    ) -> Result<Arc<EngineHandle>> {
+        if policy.drafts() && drafter.is_none() {
+            bail!("policy {policy} needs a drafter: pass --drafter dspark:PATH (or use --policy plain)");
+        }
+        if self.kv_tokens == 0 || self.max_running == 0 {
+            bail!("--kv-tokens and --max-running must be at least 1");
+        }
+        let gamma = drafter.as_ref().map_or(0, |(d, _)| d.gamma());
+        let config = EngineConfig {
+            policy,
+            cost,
+            draft_len: self.draft_len.unwrap_or(gamma),
+            max_running: self.max_running,
+            max_queue: self.max_queue,
+            kv_tokens: self.kv_tokens,
+            prefill_chunk: self.prefill_chunk.max(1),
+            online_calibration: !self.no_online_calibration,
+        };
+        Ok(dspark_engine::spawn(target, drafter.as_ref().map(|(d, _)| d.clone()), config)?)
+    }
+}
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Verification policy: plain (no drafting), fixed (verify all γ drafts), threshold[:P]
+    /// (verify while predicted prefix survival ≥ P, default 0.3), dspark (Algorithm 1 over all
+    /// running requests against the profiled cost table), dspark-async (budget from confidences
+    /// two steps back, top-K admission).
+    #[arg(long, default_value = "dspark")]
+    pub policy: String,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// max_tokens for requests that give none (capped by the context left).
+    #[arg(long, default_value_t = 512)]
+    pub default_max_tokens: usize,
+}
+
+pub fn run_serve(a: ServeArgs) -> Result<()> {
+    let target = Arc::new(a.model.load()?);
+    let name = a.model.name();
+    let policy: Policy = a.policy.parse()?;
+    let drafter = if policy.drafts() { a.engine.drafter.load(&target, &name)? } else { None };
+    let cost = a.engine.cost_table(&target, &name, &drafter)?;
+    let engine = a.engine.spawn(policy, target, &drafter, cost)?;
+    let drafter = drafter.map(|(_, n)| n);
+    let state = Arc::new(dspark_server::AppState::new(engine, &name, drafter.clone(), a.default_max_tokens));
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(async move {
+        let addr = format!("{}:{}", a.host, a.port);
+        let listener =
+            tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+        eprintln!(
+            "serving {name} (drafter {}, policy {}) on http://{}/v1 — Ctrl-C stops after in-flight requests finish",
+            drafter.as_deref().unwrap_or("none"),
+            state.engine.config.policy,
+            listener.local_addr()?
+        );
+        dspark_server::serve(listener, state, shutdown_signal()).await?;
+        eprintln!("stopped");
+        Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+    eprintln!("shutting down: finishing in-flight requests");
+}

@@ -1,0 +1,493 @@
+//! The engine thread and its handle.
+
+use crate::request::{Event, Request, SubmitError, Usage};
+use dspark_decode::FinishReason;
+use dspark_drafter_models::BlockModel;
+use dspark_drafters::{propose_batch, BatchEntry, BlockSeq};
+use dspark_model::{KvCache, Model, SeqInput, SeqOutput, TapSpec};
+use dspark_sampling::Sampler;
+use dspark_schedule::calibration::{OnlineConfig, TrackStatus};
+use dspark_schedule::{CostTable, OnlineCalibration, Policy, Scheduler};
+use dspark_spec::{append_features, apply_stops, verify, DraftError, Proposal, TargetFeatures};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub policy: Policy,
+    pub cost: CostTable,
+    /// γ: the most drafts per request per step (capped by the drafter's block).
+    pub draft_len: usize,
+    /// Requests decoded together at most.
+    pub max_running: usize,
+    /// Requests waiting for admission at most; more are refused.
+    pub max_queue: usize,
+    /// KV positions reserved across all running requests at most (each reserves its prompt,
+    /// `max_tokens` and one verify block).
+    pub kv_tokens: usize,
+    /// Prompt tokens prefilled per step, across requests, alongside decoding.
+    pub prefill_chunk: usize,
+    pub online_calibration: bool,
+}
+
+/// Live counters, read by the server's `/metrics`.
+#[derive(Debug, Default)]
+pub struct Shared {
+    pub queued: AtomicUsize,
+    pub running: AtomicUsize,
+    pub kv_reserved_tokens: AtomicUsize,
+    pub kv_used_tokens: AtomicUsize,
+    pub kv_capacity_tokens: AtomicUsize,
+    pub kv_bytes_per_token: AtomicUsize,
+    pub steps: AtomicU64,
+    pub draft_steps: AtomicU64,
+    /// Request-steps that committed tokens (τ = (accepted + rounds) / rounds).
+    pub rounds: AtomicU64,
+    pub drafted: AtomicU64,
+    pub verified: AtomicU64,
+    pub accepted: AtomicU64,
+    pub committed: AtomicU64,
+    pub cancelled: AtomicU64,
+    pub stopping: AtomicBool,
+    pub calibration: Mutex<Vec<TrackStatus>>,
+}
+
+enum Msg {
+    Submit(Request, Instant),
+    Shutdown,
+}
+
+pub struct EngineHandle {
+    tx: Mutex<mpsc::Sender<Msg>>,
+    pub shared: Arc<Shared>,
+    pub config: EngineConfig,
+    pub target: Arc<Model>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl EngineHandle {
+    /// Checks a request against the model and the engine's limits without queueing it.
+    pub fn check(&self, prompt: &[u32], p: &crate::RequestParams) -> Result<(), SubmitError> {
+        p.sampling.validate().map_err(|e| SubmitError::Invalid(e.to_string()))?;
+        if prompt.is_empty() {
+            return Err(SubmitError::Invalid("the prompt is empty; give at least one token".into()));
+        }
+        if p.max_tokens == 0 {
+            return Err(SubmitError::Invalid("max_tokens must be at least 1".into()));
+        }
+        let context = self.target.config.context_length;
+        if prompt.len() + p.max_tokens > context {
+            return Err(SubmitError::ContextExceeded { context, prompt: prompt.len(), max_tokens: p.max_tokens });
+        }
+        if reservation(prompt.len(), p.max_tokens, self.config.draft_len, context) > self.config.kv_tokens {
+            return Err(SubmitError::Invalid(format!(
+                "prompt plus max_tokens needs more KV cache than the server has ({} positions); \
+                 lower max_tokens or start the server with a larger --kv-tokens",
+                self.config.kv_tokens
+            )));
+        }
+        Ok(())
+    }
+
+    /// Queues a request; its tokens arrive on `req.events`.
+    pub fn submit(&self, req: Request) -> Result<(), SubmitError> {
+        self.check(&req.prompt, &req.params)?;
+        if self.shared.stopping.load(Relaxed) {
+            return Err(SubmitError::ShuttingDown);
+        }
+        let waiting = self.shared.queued.fetch_add(1, Relaxed);
+        if waiting >= self.config.max_queue {
+            self.shared.queued.fetch_sub(1, Relaxed);
+            return Err(SubmitError::QueueFull(waiting));
+        }
+        let sent = self.tx.lock().unwrap().send(Msg::Submit(req, Instant::now()));
+        sent.map_err(|_| {
+            self.shared.queued.fetch_sub(1, Relaxed);
+            SubmitError::ShuttingDown
+        })
+    }
+
+    /// Stops accepting requests, lets running and queued ones finish, then stops the thread.
+    pub fn shutdown(&self) {
+        self.shared.stopping.store(true, Relaxed);
+        let _ = self.tx.lock().unwrap().send(Msg::Shutdown);
+        if let Some(t) = self.thread.lock().unwrap().take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn reservation(prompt: usize, max_tokens: usize, gamma: usize, context: usize) -> usize {
+    (prompt + max_tokens + gamma + 1).min(context)
+}
+
+/// Starts the engine thread. A drafter is needed by every policy but `plain`; the
+/// survival-ranked policies need one with a confidence head.
+pub fn spawn(
+    target: Arc<Model>,
+    drafter: Option<Arc<BlockModel>>,
+    mut config: EngineConfig,
+) -> Result<Arc<EngineHandle>, SubmitError> {
+    let drafter = if config.policy.drafts() { drafter } else { None };
+    match &drafter {
+        None if config.policy.drafts() => {
+            return Err(SubmitError::Invalid(format!(
+                "policy {} needs a drafter (a dspark: or dflash: checkpoint); use --policy plain without one",
+                config.policy
+            )))
+        }
+        Some(d) if config.policy.needs_confidence() && !d.config.dspark.as_ref().is_some_and(|e| e.confidence) => {
+            return Err(SubmitError::Invalid(format!(
+                "policy {} ranks drafts by predicted survival, but this drafter has no confidence head; \
+                 use --policy fixed or a DSpark checkpoint",
+                config.policy
+            )))
+        }
+        _ => {}
+    }
+    config.draft_len = drafter.as_ref().map_or(0, |d| config.draft_len.clamp(1, d.gamma()));
+    let c = &target.config;
+    let shared = Arc::new(Shared::default());
+    shared.kv_capacity_tokens.store(config.kv_tokens, Relaxed);
+    shared.kv_bytes_per_token.store(2 * c.n_layers * c.n_kv_heads * c.head_dim * 4, Relaxed);
+    let (tx, rx) = mpsc::channel();
+    let mut worker = Worker {
+        taps: drafter
+            .as_ref()
+            .map(|d| TapSpec { layers: d.config.target_layer_ids.clone(), final_norm: false })
+            .unwrap_or_default(),
+        target: target.clone(),
+        drafter,
+        sched: Scheduler::new(config.policy, config.cost.clone()),
+        calib: OnlineCalibration::new(config.draft_len.max(1), OnlineConfig::default()),
+        config: config.clone(),
+        shared: shared.clone(),
+        next_id: 0,
+    };
+    let thread = std::thread::Builder::new()
+        .name("dspark-engine".into())
+        .spawn(move || worker.run(rx))
+        .map_err(|e| SubmitError::Invalid(format!("cannot start the engine thread: {e}")))?;
+    Ok(Arc::new(EngineHandle {
+        tx: Mutex::new(tx),
+        shared,
+        config,
+        target,
+        thread: Mutex::new(Some(thread)),
+    }))
+}
+
+/// One admitted request.
+struct Seq {
+    req: Request,
+    /// Prompt and committed tokens; the last one is the next verify block's anchor and is not
+    /// in the cache yet.
+    context: Vec<u32>,
+    prompt_len: usize,
+    cache: KvCache,
+    reserved: usize,
+    draft: Option<BlockSeq>,
+    rng: Sampler,
+    usage: Usage,
+    finish: Option<FinishReason>,
+    failed: bool,
+}
+
+impl Seq {
+    fn decoding(&self) -> bool {
+        self.cache.len() + 1 >= self.prompt_len
+    }
+
+    /// Drafts this request may verify this step: γ, less near `max_tokens` or the cache's end.
+    fn budget(&self, gamma: usize) -> usize {
+        let left = self.req.params.max_tokens.saturating_sub(self.context.len() - self.prompt_len + 1);
+        let room = self.cache.capacity().saturating_sub(self.cache.len() + 1);
+        gamma.min(left).min(room)
+    }
+
+    fn send(&mut self, e: Event) {
+        if self.req.events.send(e).is_err() {
+            self.failed = true;
+        }
+    }
+}
+
+/// What a row block of the step's forward is for.
+enum Part {
+    Verify { seq: usize, proposal: Proposal, survival: Vec<f32> },
+    Prefill { seq: usize, rows: usize },
+}
+
+struct Worker {
+    target: Arc<Model>,
+    drafter: Option<Arc<BlockModel>>,
+    taps: TapSpec,
+    sched: Scheduler,
+    calib: OnlineCalibration,
+    config: EngineConfig,
+    shared: Arc<Shared>,
+    next_id: u64,
+}
+
+impl Worker {
+    fn run(&mut self, rx: mpsc::Receiver<Msg>) {
+        let mut queue: VecDeque<(Request, Instant)> = VecDeque::new();
+        let mut running: Vec<Seq> = Vec::new();
+        let mut stopping = false;
+        loop {
+            if running.is_empty() && queue.is_empty() {
+                if stopping {
+                    break;
+                }
+                match rx.recv() {
+                    Ok(m) => self.intake(m, &mut queue, &mut stopping),
+                    Err(_) => break,
+                }
+            }
+            while let Ok(m) = rx.try_recv() {
+                self.intake(m, &mut queue, &mut stopping);
+            }
+            // A dropped receiver is a client gone: forget the request and its memory now.
+            let before = queue.len();
+            queue.retain(|(r, _)| !r.events.is_closed());
+            self.shared.queued.fetch_sub(before - queue.len(), Relaxed);
+            self.shared.cancelled.fetch_add((before - queue.len()) as u64, Relaxed);
+            self.retire(&mut running, |s| s.req.events.is_closed() || s.failed, true);
+            self.admit(&mut queue, &mut running);
+            if running.is_empty() {
+                continue;
+            }
+            if let Err(e) = self.step(&mut running) {
+                for s in running.iter_mut() {
+                    s.send(Event::Error(format!("engine step failed: {e}")));
+                    s.failed = true;
+                }
+            }
+            self.retire(&mut running, |s| s.finish.is_some() || s.failed, false);
+            self.shared.steps.fetch_add(1, Relaxed);
+        }
+    }
+
+    fn intake(&mut self, m: Msg, queue: &mut VecDeque<(Request, Instant)>, stopping: &mut bool) {
+        match m {
+            Msg::Submit(r, t) => queue.push_back((r, t)),
+            Msg::Shutdown => *stopping = true,
+        }
+    }
+
+    fn retire(&self, running: &mut Vec<Seq>, gone: impl Fn(&Seq) -> bool, cancelled: bool) {
+        running.retain_mut(|s| {
+            if !gone(s) {
+                return true;
+            }
+            if let (Some(finish), false) = (s.finish, s.failed) {
+                s.usage.completion_tokens = s.context.len() - s.prompt_len;
+                let usage = s.usage.clone();
+                s.send(Event::Done { finish, usage });
+            }
+            if cancelled {
+                self.shared.cancelled.fetch_add(1, Relaxed);
+            }
+            self.shared.kv_reserved_tokens.fetch_sub(s.reserved, Relaxed);
+            false
+        });
+        self.shared.running.store(running.len(), Relaxed);
+        let used = running.iter().map(|s| s.cache.len()).sum();
+        self.shared.kv_used_tokens.store(used, Relaxed);
+    }
+
+    /// Admits queued requests in arrival order while there is room in the running set and the
+    /// KV budget.
+    fn admit(&mut self, queue: &mut VecDeque<(Request, Instant)>, running: &mut Vec<Seq>) {
+        let context = self.target.config.context_length;
+        while running.len() < self.config.max_running {
+            let Some((req, _)) = queue.front() else { break };
+            let need = reservation(req.prompt.len(), req.params.max_tokens, self.config.draft_len, context);
+            if self.shared.kv_reserved_tokens.load(Relaxed) + need > self.config.kv_tokens {
+                break;
+            }
+            let (req, arrived) = queue.pop_front().unwrap();
+            self.shared.queued.fetch_sub(1, Relaxed);
+            self.shared.kv_reserved_tokens.fetch_add(need, Relaxed);
+            self.next_id += 1;
+            let seed = req.params.seed;
+            let draft = match &self.drafter {
+                Some(d) => match BlockSeq::new(d, &TargetFeatures::default(), seed ^ 0x9E37_79B9_7F4A_7C15) {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        let _ = req.events.send(Event::Error(format!("drafter: {e}")));
+                        self.shared.kv_reserved_tokens.fetch_sub(need, Relaxed);
+                        continue;
+                    }
+                },
+                None => None,
+            };
+            let usage = Usage { prompt_tokens: req.prompt.len(), queue_s: arrived.elapsed().as_secs_f64(), ..Default::default() };
+            running.push(Seq {
+                context: req.prompt.clone(),
+                prompt_len: req.prompt.len(),
+                cache: self.target.new_cache(need),
+                reserved: need,
+                draft,
+                rng: Sampler::new(seed),
+                usage,
+                finish: None,
+                failed: false,
+                req,
+            });
+        }
+        self.shared.running.store(running.len(), Relaxed);
+    }
+
+    /// One step: draft → schedule → verify (one forward, prefill chunks included) → accept →
+    /// feed back.
+    fn step(&mut self, seqs: &mut [Seq]) -> Result<(), DraftError> {
+        let decoding: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].decoding()).collect();
+        let drafting = self.drafter.is_some() && !decoding.is_empty() && self.sched.should_draft();
+        let mut proposals = if drafting { self.draft(seqs, &decoding)? } else { vec![] };
+        proposals.resize(decoding.len(), Proposal::default());
+        let survival: Vec<Vec<f32>> = decoding.iter().zip(&proposals).map(|(&i, p)| self.survival(&seqs[i], p)).collect();
+        let lengths = if drafting { self.sched.plan(&survival).lengths } else { vec![0; decoding.len()] };
+        let mut parts: Vec<Part> = Vec::new();
+        for ((&seq, mut proposal), (mut survival, len)) in decoding.iter().zip(proposals).zip(survival.into_iter().zip(lengths)) {
+            proposal.tokens.truncate(len);
+            proposal.dists.truncate(len);
+            survival.truncate(len);
+            parts.push(Part::Verify { seq, proposal, survival });
+        }
+        let mut chunk = self.config.prefill_chunk;
+        for (i, s) in seqs.iter().enumerate().filter(|(_, s)| !s.decoding()) {
+            let rows = (s.prompt_len - 1 - s.cache.len()).min(chunk);
+            if rows > 0 {
+                parts.push(Part::Prefill { seq: i, rows });
+                chunk -= rows;
+            }
+        }
+        let outs = self.forward(seqs, &parts)?;
+        for (part, out) in parts.into_iter().zip(outs) {
+            match part {
+                Part::Verify { seq, proposal, survival } => self.accept(&mut seqs[seq], proposal, &survival, out)?,
+                Part::Prefill { seq, rows } => self.feed(&mut seqs[seq], out, rows)?,
+            }
+        }
+        self.shared.draft_steps.fetch_add(drafting as u64, Relaxed);
+        Ok(())
+    }
+
+    fn draft(&self, seqs: &mut [Seq], decoding: &[usize]) -> Result<Vec<Proposal>, DraftError> {
+        let net = self.drafter.as_ref().expect("drafting needs a drafter");
+        let gamma = self.config.draft_len;
+        let budgets: Vec<usize> = decoding.iter().map(|&i| seqs[i].budget(gamma)).collect();
+        let mut entries: Vec<BatchEntry> = seqs
+            .iter_mut()
+            .filter(|s| s.decoding())
+            .map(|s| (s.draft.as_mut().expect("a drafter state per request"), s.context.as_slice(), &s.req.params.sampling))
+            .collect();
+        let mut proposals = propose_batch(net, &mut entries, gamma)?;
+        for ((p, b), &i) in proposals.iter_mut().zip(budgets).zip(decoding) {
+            p.tokens.truncate(b);
+            p.dists.truncate(b);
+            if let Some(c) = p.confidence.as_mut() {
+                c.truncate(b);
+            }
+            seqs[i].usage.drafted_tokens += p.tokens.len();
+            self.shared.drafted.fetch_add(p.tokens.len() as u64, Relaxed);
+        }
+        Ok(proposals)
+    }
+
+    /// Predicted prefix survival of each draft (1 for drafters without confidences, which only
+    /// `fixed` accepts).
+    fn survival(&self, s: &Seq, p: &Proposal) -> Vec<f32> {
+        match &p.confidence {
+            Some(c) if self.config.online_calibration => self.calib.survival(s.req.tag.as_deref(), c),
+            Some(c) => c
+                .iter()
+                .scan(1f32, |a, &x| {
+                    *a *= x;
+                    Some(*a)
+                })
+                .collect(),
+            None => vec![1.0; p.len()],
+        }
+    }
+
+    fn forward(&self, seqs: &mut [Seq], parts: &[Part]) -> Result<Vec<SeqOutput>, DraftError> {
+        let tap = |n: usize| if self.drafter.is_some() { (0..n).collect() } else { Vec::new() };
+        let blocks: Vec<Vec<u32>> = parts
+            .iter()
+            .map(|p| match p {
+                Part::Verify { seq, proposal, .. } => {
+                    std::iter::once(*seqs[*seq].context.last().unwrap()).chain(proposal.tokens.iter().copied()).collect()
+                }
+                Part::Prefill { seq, rows } => {
+                    let s = &seqs[*seq];
+                    s.context[s.cache.len()..s.cache.len() + rows].to_vec()
+                }
+            })
+            .collect();
+        // Parts name distinct requests; hand each its cache in part order.
+        let mut caches: Vec<Option<&mut KvCache>> = seqs.iter_mut().map(|s| Some(&mut s.cache)).collect();
+        let mut inputs: Vec<SeqInput> = parts
+            .iter()
+            .zip(&blocks)
+            .map(|(p, tokens)| {
+                let (seq, logits) = match p {
+                    Part::Verify { seq, .. } => (*seq, (0..tokens.len()).collect()),
+                    Part::Prefill { seq, .. } => (*seq, Vec::new()),
+                };
+                let cache = caches[seq].take().expect("one part per request");
+                SeqInput { cache, tokens, logit_rows: logits, tap_rows: tap(tokens.len()) }
+            })
+            .collect();
+        Ok(self.target.forward(&mut inputs, &self.taps)?)
+    }
+
+    fn accept(&mut self, s: &mut Seq, proposal: Proposal, survival: &[f32], out: SeqOutput) -> Result<(), DraftError> {
+        let v = self.target.vocab_size();
+        let n = proposal.len();
+        let params = &s.req.params.sampling;
+        let verdict = verify(|i| out.logits_row(i, v), &proposal.tokens, &proposal.dists, params, &mut s.rng);
+        s.cache.truncate(s.cache.len() - (n - verdict.accepted))?;
+        s.context.extend_from_slice(&proposal.tokens[..verdict.accepted]);
+        s.context.push(verdict.next);
+        let committed = verdict.accepted + 1;
+        if let (Some(c), true) = (&proposal.confidence, n > 0) {
+            if self.config.online_calibration {
+                self.calib.observe(s.req.tag.as_deref(), &c[..n], survival, verdict.accepted);
+                if self.shared.steps.load(Relaxed) % 16 == 0 {
+                    *self.shared.calibration.lock().unwrap() = self.calib.status();
+                }
+            }
+        }
+        s.usage.rounds += 1;
+        self.shared.rounds.fetch_add(1, Relaxed);
+        s.usage.verified_tokens += n;
+        s.usage.accepted_tokens += verdict.accepted;
+        self.shared.verified.fetch_add(n as u64, Relaxed);
+        self.shared.accepted.fetch_add(verdict.accepted as u64, Relaxed);
+        self.feed(s, out, 1 + verdict.accepted)?;
+        let p = &s.req.params;
+        let (emit, finish) = apply_stops(&mut s.context, s.prompt_len, committed, &p.stop_tokens, p.max_tokens);
+        s.finish = finish;
+        self.shared.committed.fetch_add(emit.len() as u64, Relaxed);
+        if !emit.is_empty() {
+            s.send(Event::Tokens(emit));
+        }
+        Ok(())
+    }
+
+    /// Hands the drafter the target's hidden states of the first `rows` rows that entered the
+    /// cache.
+    fn feed(&self, s: &mut Seq, out: SeqOutput, rows: usize) -> Result<(), DraftError> {
+        if let (Some(net), Some(d)) = (&self.drafter, s.draft.as_mut()) {
+            let mut f = TargetFeatures::default();
+            append_features(&mut f, out, rows, self.target.config.hidden);
+            d.feed(net, &f)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,13 @@
+//! The serving engine: one thread steps every running request together. Each step drafts for
+//! all decoding requests in one drafter pass, lets the policy choose verify lengths, runs one
+//! target forward over every verify block and prefill chunk, accepts per request and streams
+//! the committed tokens out.
+
+mod engine;
+pub mod profile;
+mod request;
+
+pub use dspark_decode::FinishReason;
+pub use profile::profile;
+pub use engine::{spawn, EngineConfig, EngineHandle, Shared};
+pub use request::{Event, Request, RequestParams, SubmitError, Usage};

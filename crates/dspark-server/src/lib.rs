@@ -1,0 +1,549 @@
+//! An OpenAI-compatible HTTP server over the serving engine: `POST /v1/chat/completions`,
+//! `POST /v1/completions` (both with SSE streaming), `GET /v1/models`, `GET /health`,
+//! `GET /metrics`.
+
+pub mod metrics;
+pub mod openai;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use dspark_engine::{EngineHandle, Event, FinishReason, Request, RequestParams, SubmitError, Usage};
+use dspark_model::Model;
+use dspark_sampling::SamplingParams;
+use dspark_tokenizer::{ChatMessage, StreamDecoder};
+use metrics::Metrics;
+use openai::{ApiError, ChatRequest, CompletionRequest, Settings};
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc;
+
+pub struct AppState {
+    pub engine: Arc<EngineHandle>,
+    /// The id clients put in `model`.
+    pub model_name: String,
+    pub drafter_name: Option<String>,
+    /// `max_tokens` when a request gives none (capped by the context left).
+    pub default_max_tokens: usize,
+    pub metrics: Metrics,
+    next_id: AtomicU64,
+    started: u64,
+}
+
+impl AppState {
+    pub fn new(engine: Arc<EngineHandle>, model_name: &str, drafter_name: Option<String>, default_max_tokens: usize) -> Self {
+        Self {
+            engine,
+            model_name: model_name.to_string(),
+            drafter_name,
+            default_max_tokens,
+            metrics: Metrics::new(),
+            next_id: AtomicU64::new(1),
+            started: unix_now(),
+        }
+    }
+
+    fn model(&self) -> &Model {
+        &self.engine.target
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .fallback(|| async {
+            ApiError::invalid("no such endpoint; see /v1/chat/completions, /v1/completions, /v1/models", None)
+                .status(StatusCode::NOT_FOUND)
+        })
+        .with_state(state)
+}
+
+/// Serves until `shutdown` resolves, then stops taking requests, lets in-flight ones finish and
+/// stops the engine.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let engine = state.engine.clone();
+    let stopping = engine.clone();
+    let signal = async move {
+        shutdown.await;
+        stopping.shared.stopping.store(true, Relaxed);
+    };
+    axum::serve(listener, router(state)).with_graceful_shutdown(signal).await?;
+    tokio::task::spawn_blocking(move || engine.shutdown()).await.ok();
+    Ok(())
+}
+
+/// A server on its own thread and runtime (for benches and tests).
+pub struct ServerHandle {
+    pub addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+}
+
+impl ServerHandle {
+    /// Graceful stop: waits for in-flight requests and the engine.
+    pub fn stop(mut self) -> std::io::Result<()> {
+        self.shutdown()
+    }
+
+    fn shutdown(&mut self) -> std::io::Result<()> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        match self.thread.take() {
+            Some(t) => t.join().unwrap_or_else(|_| Err(std::io::Error::other("server thread panicked"))),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        let _ = self.shutdown();
+    }
+}
+
+pub fn start(state: Arc<AppState>, addr: &str) -> std::io::Result<ServerHandle> {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let listener = rt.block_on(tokio::net::TcpListener::bind(addr))?;
+    let local = listener.local_addr()?;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let thread = std::thread::Builder::new().name("dspark-http".into()).spawn(move || {
+        rt.block_on(serve(listener, state, async {
+            let _ = rx.await;
+        }))
+    })?;
+    Ok(ServerHandle { addr: local, stop: Some(tx), thread: Some(thread) })
+}
+
+async fn health(State(s): State<Arc<AppState>>) -> Response {
+    let sh = &s.engine.shared;
+    let body = json!({
+        "status": if sh.stopping.load(Relaxed) { "stopping" } else { "ok" },
+        "model": s.model_name,
+        "drafter": s.drafter_name,
+        "policy": s.engine.config.policy.to_string(),
+        "running": sh.running.load(Relaxed),
+        "queued": sh.queued.load(Relaxed),
+    });
+    let code = if sh.stopping.load(Relaxed) { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK };
+    (code, Json(body)).into_response()
+}
+
+async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [
+        {"id": s.model_name, "object": "model", "created": s.started, "owned_by": "dspark",
+         "max_model_len": s.model().config.context_length}
+    ]}))
+}
+
+async fn metrics_text(State(s): State<Arc<AppState>>) -> Response {
+    let text = s.metrics.render(&s.engine.shared);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Chat,
+    Text,
+}
+
+async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    let r: Result<_, ApiError> = (|| {
+        let req: ChatRequest = openai::parse(&body)?;
+        check_model(&s, &req.common.model)?;
+        let turns = req.turns()?;
+        let text = match &s.model().chat_template {
+            Some(t) => {
+                let msgs: Vec<ChatMessage> = turns.iter().map(|(r, c)| ChatMessage::new(r, c)).collect();
+                t.render(&msgs, true).map_err(|e| ApiError::invalid(format!("chat template: {e}"), Some("messages")))?
+            }
+            None => turns.iter().map(|(_, c)| c.as_str()).collect::<Vec<_>>().join("\n"),
+        };
+        Ok((text, req.common.settings()?))
+    })();
+    match r {
+        Ok((text, settings)) => generate(s, Kind::Chat, &text, settings).await,
+        Err(e) => reject(&s, e),
+    }
+}
+
+async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    let r: Result<_, ApiError> = (|| {
+        let req: CompletionRequest = openai::parse(&body)?;
+        check_model(&s, &req.common.model)?;
+        let mut prompts = req.prompt.into_vec();
+        if prompts.len() != 1 {
+            return Err(ApiError::invalid("give exactly one prompt string", Some("prompt")));
+        }
+        Ok((prompts.remove(0), req.common.settings()?))
+    })();
+    match r {
+        Ok((text, settings)) => generate(s, Kind::Text, &text, settings).await,
+        Err(e) => reject(&s, e),
+    }
+}
+
+fn reject(s: &AppState, e: ApiError) -> Response {
+    s.metrics.request("rejected");
+    e.into_response()
+}
+
+fn check_model(s: &AppState, model: &str) -> Result<(), ApiError> {
+    if model == s.model_name {
+        return Ok(());
+    }
+    Err(ApiError::invalid(
+        format!("the model `{model}` does not exist; this server serves `{}` (see /v1/models)", s.model_name),
+        Some("model"),
+    )
+    .status(StatusCode::NOT_FOUND)
+    .with_code("model_not_found"))
+}
+
+fn submit_error(e: SubmitError) -> ApiError {
+    match e {
+        SubmitError::QueueFull(_) => {
+            ApiError::invalid(e.to_string(), None).status(StatusCode::TOO_MANY_REQUESTS).with_code("queue_full")
+        }
+        SubmitError::ShuttingDown => {
+            ApiError::invalid(e.to_string(), None).status(StatusCode::SERVICE_UNAVAILABLE).with_code("shutting_down")
+        }
+        SubmitError::ContextExceeded { .. } => {
+            ApiError::invalid(e.to_string(), Some("messages")).with_code("context_length_exceeded")
+        }
+        SubmitError::Invalid(m) => ApiError::invalid(m, None),
+    }
+}
+
+/// Holds back text that might be the start of a stop sequence.
+struct StopFilter {
+    stops: Vec<String>,
+    text: String,
+    emitted: usize,
+}
+
+impl StopFilter {
+    /// Adds text; returns what is safe to emit and whether a stop sequence was reached.
+    fn push(&mut self, piece: &str) -> (String, bool) {
+        self.text += piece;
+        let longest = self.stops.iter().map(String::len).max().unwrap_or(0);
+        let from = self.emitted.saturating_sub(longest);
+        let from = (0..=from).rev().find(|&i| self.text.is_char_boundary(i)).unwrap_or(0);
+        let hit = self.stops.iter().filter_map(|s| self.text[from..].find(s.as_str()).map(|i| from + i)).min();
+        let end = match hit {
+            Some(i) => i.max(self.emitted),
+            None => {
+                let mut e = self.text.len().saturating_sub(longest.saturating_sub(1)).max(self.emitted);
+                while !self.text.is_char_boundary(e) {
+                    e -= 1;
+                }
+                e.max(self.emitted)
+            }
+        };
+        let out = self.text[self.emitted..end].to_string();
+        self.emitted = end;
+        (out, hit.is_some())
+    }
+
+    fn flush(&mut self) -> String {
+        let out = self.text[self.emitted..].to_string();
+        self.emitted = self.text.len();
+        out
+    }
+}
+
+struct Ids {
+    id: String,
+    object: &'static str,
+    created: u64,
+    model: String,
+}
+
+impl Ids {
+    fn chunk(&self, kind: Kind, content: Option<&str>, role: bool, finish: Option<&str>) -> Value {
+        let choice = match kind {
+            Kind::Chat => {
+                let mut delta = serde_json::Map::new();
+                if role {
+                    delta.insert("role".into(), json!("assistant"));
+                }
+                if let Some(c) = content {
+                    delta.insert("content".into(), json!(c));
+                }
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+            Kind::Text => json!({"index": 0, "text": content.unwrap_or(""), "logprobs": null, "finish_reason": finish}),
+        };
+        json!({"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": [choice]})
+    }
+}
+
+fn usage_json(u: &Usage, completion_tokens: usize) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": u.prompt_tokens + completion_tokens,
+        "speculative": {
+            "rounds": u.rounds,
+            "drafted_tokens": u.drafted_tokens,
+            "verified_tokens": u.verified_tokens,
+            "accepted_tokens": u.accepted_tokens,
+            "tau": u.tau(),
+            "mean_verify_budget": u.mean_verify_budget(),
+            "queue_s": u.queue_s,
+        }
+    })
+}
+
+/// Per-request latency bookkeeping.
+struct Clock {
+    arrived: Instant,
+    last: Option<Instant>,
+}
+
+impl Clock {
+    fn tokens(&mut self, m: &Metrics, n: usize) {
+        let now = Instant::now();
+        match self.last {
+            None => m.ttft.observe((now - self.arrived).as_secs_f64()),
+            Some(t) => {
+                let per = (now - t).as_secs_f64() / n.max(1) as f64;
+                for _ in 0..n {
+                    m.itl.observe(per);
+                }
+            }
+        }
+        self.last = Some(now);
+    }
+}
+
+async fn generate(s: Arc<AppState>, kind: Kind, text: &str, st: Settings) -> Response {
+    let arrived = Instant::now();
+    let model = s.model();
+    let prompt = match model.tokenizer.encode(text, true) {
+        Ok(p) => p,
+        Err(e) => return reject(&s, ApiError::invalid(format!("cannot tokenize the prompt: {e}"), None)),
+    };
+    let context = model.config.context_length;
+    let room = context.saturating_sub(prompt.len());
+    let max_tokens = st.max_tokens.unwrap_or_else(|| s.default_max_tokens.min(room.max(1)));
+    let params = RequestParams {
+        max_tokens,
+        sampling: SamplingParams { temperature: st.temperature as f32, top_k: st.top_k, top_p: st.top_p.map(|p| p as f32) },
+        seed: st.seed,
+        stop_tokens: model.tokenizer.eos().to_vec(),
+    };
+    let (tx, rx) = mpsc::unbounded_channel();
+    let req = Request { prompt, params, tag: st.tag.clone(), events: tx };
+    if let Err(e) = s.engine.submit(req) {
+        return reject(&s, submit_error(e));
+    }
+    let n = s.next_id.fetch_add(1, Relaxed);
+    let ids = Ids {
+        id: format!("{}-{n}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }),
+        object: match (kind, st.stream) {
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Text, _) => "text_completion",
+        },
+        created: unix_now(),
+        model: s.model_name.clone(),
+    };
+    let clock = Clock { arrived, last: None };
+    if st.stream {
+        stream(s, kind, st, rx, ids, clock)
+    } else {
+        complete(s, kind, st, rx, ids, clock).await
+    }
+}
+
+/// Collects the whole answer. A client that goes away drops this future and with it the
+/// receiver, which cancels the request in the engine.
+async fn complete(
+    s: Arc<AppState>,
+    kind: Kind,
+    st: Settings,
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    ids: Ids,
+    mut clock: Clock,
+) -> Response {
+    let model = &s.engine.target;
+    let mut dec = StreamDecoder::new(&model.tokenizer);
+    let mut stops = StopFilter { stops: st.stop.clone(), text: String::new(), emitted: 0 };
+    let mut out = String::new();
+    let mut count = 0;
+    let (finish, usage) = loop {
+        match rx.recv().await {
+            Some(Event::Tokens(ts)) => {
+                clock.tokens(&s.metrics, ts.len());
+                count += ts.len();
+                let mut hit = false;
+                for t in ts {
+                    if let Ok(Some(p)) = dec.push(t) {
+                        let (e, h) = stops.push(&p);
+                        out += &e;
+                        hit |= h;
+                    }
+                }
+                if hit {
+                    break ("stop", None);
+                }
+            }
+            Some(Event::Done { finish, usage }) => {
+                out += &stops.flush();
+                break (finish_reason(finish), Some(usage));
+            }
+            Some(Event::Error(e)) => {
+                s.metrics.request("error");
+                return ApiError::invalid(e, None)
+                    .status(StatusCode::INTERNAL_SERVER_ERROR)
+                    .with_code("engine_error")
+                    .into_response();
+            }
+            None => {
+                s.metrics.request("error");
+                return ApiError::invalid("the engine stopped before finishing this request", None)
+                    .status(StatusCode::SERVICE_UNAVAILABLE)
+                    .into_response();
+            }
+        }
+    };
+    let usage = finished(&s, usage, count);
+    let choice = match kind {
+        Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": null, "finish_reason": finish}),
+        Kind::Text => json!({"index": 0, "text": out, "logprobs": null, "finish_reason": finish}),
+    };
+    Json(json!({"id": ids.id, "object": ids.object, "created": ids.created, "model": ids.model,
+                "choices": [choice], "usage": usage}))
+    .into_response()
+}
+
+fn engine_error(message: &str) -> Value {
+    json!({"error": {"message": message, "type": "server_error", "param": null, "code": "engine_error"}})
+}
+
+fn finish_reason(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+    }
+}
+
+/// Records a finished request and returns its usage object.
+fn finished(s: &AppState, usage: Option<Usage>, count: usize) -> Value {
+    s.metrics.request("ok");
+    let u = usage.unwrap_or_default();
+    if u.rounds > 0 {
+        s.metrics.verify_budget.observe(u.mean_verify_budget());
+        s.metrics.request_tau.observe(u.tau());
+    }
+    let mut v = usage_json(&u, count);
+    if u.prompt_tokens == 0 {
+        // Ended by a stop sequence before the engine's summary: what we know.
+        v["speculative"] = Value::Null;
+    }
+    v
+}
+
+fn stream(
+    s: Arc<AppState>,
+    kind: Kind,
+    st: Settings,
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    ids: Ids,
+    mut clock: Clock,
+) -> Response {
+    let (tx, out) = mpsc::channel::<SseEvent>(64);
+    tokio::spawn(async move {
+        let model = s.engine.target.clone();
+        let mut dec = StreamDecoder::new(&model.tokenizer);
+        let mut stops = StopFilter { stops: st.stop.clone(), text: String::new(), emitted: 0 };
+        let data = |v: Value| SseEvent::default().data(v.to_string());
+        let first = if kind == Kind::Chat { ids.chunk(kind, Some(""), true, None) } else { ids.chunk(kind, Some(""), false, None) };
+        if tx.send(data(first)).await.is_err() {
+            s.metrics.request("cancelled");
+            return;
+        }
+        let mut count = 0;
+        let (finish, usage) = loop {
+            let ev = tokio::select! {
+                _ = tx.closed() => {
+                    s.metrics.request("cancelled");
+                    return; // drops `rx`: the engine cancels the request
+                }
+                ev = rx.recv() => ev,
+            };
+            match ev {
+                Some(Event::Tokens(ts)) => {
+                    clock.tokens(&s.metrics, ts.len());
+                    count += ts.len();
+                    let (mut piece, mut hit) = (String::new(), false);
+                    for t in ts {
+                        if let Ok(Some(p)) = dec.push(t) {
+                            let (e, h) = stops.push(&p);
+                            piece += &e;
+                            hit |= h;
+                        }
+                    }
+                    if !piece.is_empty() && tx.send(data(ids.chunk(kind, Some(&piece), false, None))).await.is_err() {
+                        s.metrics.request("cancelled");
+                        return;
+                    }
+                    if hit {
+                        break ("stop", None);
+                    }
+                }
+                Some(Event::Done { finish, usage }) => {
+                    let rest = stops.flush();
+                    if !rest.is_empty() {
+                        let _ = tx.send(data(ids.chunk(kind, Some(&rest), false, None))).await;
+                    }
+                    break (finish_reason(finish), Some(usage));
+                }
+                Some(Event::Error(e)) => {
+                    s.metrics.request("error");
+                    let _ = tx.send(data(engine_error(&e))).await;
+                    return;
+                }
+                None => {
+                    s.metrics.request("error");
+                    let _ = tx.send(data(engine_error("the engine stopped before finishing this request"))).await;
+                    return;
+                }
+            }
+        };
+        let usage = finished(&s, usage, count);
+        let _ = tx.send(data(ids.chunk(kind, if kind == Kind::Chat { None } else { Some("") }, false, Some(finish)))).await;
+        if st.include_usage {
+            let v = json!({"id": ids.id, "object": ids.object, "created": ids.created, "model": ids.model,
+                           "choices": [], "usage": usage});
+            let _ = tx.send(data(v)).await;
+        }
+        let _ = tx.send(SseEvent::default().data("[DONE]")).await;
+    });
+    let events = futures_util::stream::unfold(out, |mut out| async move {
+        out.recv().await.map(|e| (Ok::<_, Infallible>(e), out))
+    });
+    Sse::new(events).into_response()
+}
