@@ -213,6 +213,11 @@ impl Seq {
             self.failed = true;
         }
     }
+
+    /// The client went away (its receiver is gone).
+    fn abandoned(&self) -> bool {
+        self.req.events.is_closed()
+    }
 }
 
 /// What a row block of the step's forward is for.
@@ -255,7 +260,7 @@ impl Worker {
             queue.retain(|(r, _)| !r.events.is_closed());
             self.shared.queued.fetch_sub(before - queue.len(), Relaxed);
             self.shared.cancelled.fetch_add((before - queue.len()) as u64, Relaxed);
-            self.retire(&mut running, |s| s.req.events.is_closed() || s.failed, true);
+            self.retire(&mut running, |s| s.abandoned() || s.failed);
             self.admit(&mut queue, &mut running);
             if running.is_empty() {
                 continue;
@@ -266,7 +271,7 @@ impl Worker {
                     s.failed = true;
                 }
             }
-            self.retire(&mut running, |s| s.finish.is_some() || s.failed, false);
+            self.retire(&mut running, |s| s.finish.is_some() || s.failed);
             self.shared.steps.fetch_add(1, Relaxed);
         }
     }
@@ -278,7 +283,7 @@ impl Worker {
         }
     }
 
-    fn retire(&self, running: &mut Vec<Seq>, gone: impl Fn(&Seq) -> bool, cancelled: bool) {
+    fn retire(&self, running: &mut Vec<Seq>, gone: impl Fn(&Seq) -> bool) {
         running.retain_mut(|s| {
             if !gone(s) {
                 return true;
@@ -288,7 +293,7 @@ impl Worker {
                 let usage = s.usage.clone();
                 s.send(Event::Done { finish, usage });
             }
-            if cancelled {
+            if s.finish.is_none() && s.abandoned() {
                 self.shared.cancelled.fetch_add(1, Relaxed);
             }
             self.shared.kv_reserved_tokens.fetch_sub(s.reserved, Relaxed);

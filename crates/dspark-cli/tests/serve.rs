@@ -1,0 +1,353 @@
+//! The OpenAI-compatible server on the real default model and the shipped DSpark drafter:
+//! continuous batching keeps every greedy output, load loses nothing, disconnects free
+//! everything, bad input gets its 4xx, and the official `openai` Python client works.
+
+mod common;
+
+use dspark_drafter_models::DrafterNet;
+use dspark_engine::EngineConfig;
+use dspark_model::Model;
+use dspark_schedule::{CostTable, Policy};
+use dspark_server::{AppState, ServerHandle};
+use serde_json::{json, Value};
+use std::io::{BufRead, Read, Write};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const MODEL: &str = "smollm2-135m";
+
+fn target() -> Arc<Model> {
+    Arc::new(Model::load(&common::model(MODEL)).unwrap())
+}
+
+fn drafter(t: &Arc<Model>) -> Arc<dspark_drafter_models::BlockModel> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../drafters/smollm2-135m-dspark-markov");
+    let mut net = dspark_drafter_models::load(&dir, t.clone(), MODEL).unwrap();
+    net.quantize_for_inference().unwrap();
+    match net {
+        DrafterNet::Block(m) => Arc::new(m),
+        DrafterNet::Eagle3(_) => unreachable!(),
+    }
+}
+
+/// A cost table under which verifying is nearly free, so the dspark policy verifies long
+/// drafts and every verification path runs.
+fn cheap_verify() -> CostTable {
+    CostTable {
+        model: MODEL.into(),
+        drafter: None,
+        threads: 2,
+        forward: vec![(1, 0.010), (256, 0.011)],
+        draft: vec![(1, 0.0001), (64, 0.0002)],
+    }
+}
+
+fn config(policy: Policy) -> EngineConfig {
+    EngineConfig {
+        policy,
+        cost: cheap_verify(),
+        draft_len: 7,
+        max_running: 64,
+        max_queue: 4096,
+        kv_tokens: 1 << 17,
+        prefill_chunk: 128,
+        online_calibration: true,
+    }
+}
+
+fn server(t: &Arc<Model>, config: EngineConfig) -> (ServerHandle, String) {
+    let d = config.policy.drafts().then(|| drafter(t));
+    let engine = dspark_engine::spawn(t.clone(), d, config).unwrap();
+    let state = Arc::new(AppState::new(engine, MODEL, Some("dspark".into()), 64));
+    let s = dspark_server::start(state, "127.0.0.1:0").unwrap();
+    let base = format!("http://{}", s.addr);
+    (s, base)
+}
+
+fn post(base: &str, path: &str, body: &Value) -> (u16, Value) {
+    match ureq::post(&format!("{base}{path}")).send_json(body.clone()) {
+        Ok(r) => (r.status(), r.into_json().unwrap()),
+        Err(ureq::Error::Status(code, r)) => (code, r.into_json().unwrap()),
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// Streams a chat completion; returns the text and the usage chunk.
+fn stream_chat(base: &str, prompt: &str, max_tokens: usize) -> (String, Value) {
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                      "temperature": 0, "stream": true, "stream_options": {"include_usage": true}});
+    let r = ureq::post(&format!("{base}/v1/chat/completions")).send_json(body).unwrap();
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    let (mut text, mut usage, mut done) = (String::new(), Value::Null, false);
+    for line in std::io::BufReader::new(r.into_reader()).lines() {
+        let line = line.unwrap();
+        let Some(d) = line.strip_prefix("data: ") else { continue };
+        if d == "[DONE]" {
+            done = true;
+            break;
+        }
+        let v: Value = serde_json::from_str(d).unwrap();
+        assert_eq!(v["object"], "chat.completion.chunk");
+        if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+            text += c;
+        }
+        if !v["usage"].is_null() {
+            usage = v["usage"].clone();
+        }
+    }
+    assert!(done, "the stream ends with [DONE]");
+    (text, usage)
+}
+
+fn metric(base: &str, name: &str) -> f64 {
+    let text = ureq::get(&format!("{base}/metrics")).call().unwrap().into_string().unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')).map(|v| v.trim().parse().unwrap()))
+        .unwrap_or_else(|| panic!("{name} not in /metrics"))
+}
+
+/// Plain greedy decoding of one chat prompt, as text.
+fn alone(t: &Model, prompt: &str, max_tokens: usize) -> (String, usize) {
+    let ids = t.tokenizer.encode(&t.chat_prompt(prompt).unwrap(), true).unwrap();
+    let out = common::plain(t, &ids, max_tokens);
+    (t.tokenizer.decode(&out).unwrap(), out.len())
+}
+
+fn prompts(n: usize) -> Vec<String> {
+    let mut p = common::bench_prompts("gsm8k-test.jsonl", "question", n.div_ceil(2));
+    p.extend(common::bench_prompts("mbpp-test.jsonl", "text", n / 2));
+    p.truncate(n);
+    p
+}
+
+#[test]
+fn thirty_two_concurrent_streams_each_equal_plain_greedy_decoding() {
+    let t = target();
+    let (srv, base) = server(&t, config(Policy::Dspark));
+    let ps = prompts(32);
+    let got: Vec<(String, Value)> = std::thread::scope(|s| {
+        let hs: Vec<_> = ps.iter().map(|p| s.spawn(|| stream_chat(&base, p, 40))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(metric(&base, "dspark_accepted_tokens_total") > 0.0, "drafts were verified and accepted");
+    for (i, (p, (text, usage))) in ps.iter().zip(&got).enumerate() {
+        let (want, n) = alone(&t, p, 40);
+        assert_eq!(text, &want, "request {i}: batched output differs from plain greedy decoding");
+        assert_eq!(usage["completion_tokens"], n, "request {i}");
+        assert!(usage["speculative"]["rounds"].as_u64().unwrap() >= 1);
+    }
+    srv.stop().unwrap();
+}
+
+/// Streams a text completion; returns the text and the usage chunk.
+fn stream_completion(base: &str, prompt: &str, max_tokens: usize) -> String {
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true});
+    let r = ureq::post(&format!("{base}/v1/completions")).send_json(body).unwrap();
+    let mut text = String::new();
+    for line in std::io::BufReader::new(r.into_reader()).lines() {
+        let line = line.unwrap();
+        match line.strip_prefix("data: ") {
+            Some("[DONE]") => return text,
+            Some(d) => text += serde_json::from_str::<Value>(d).unwrap()["choices"][0]["text"].as_str().unwrap_or(""),
+            None => {}
+        }
+    }
+    panic!("no [DONE]");
+}
+
+#[test]
+fn thousands_of_short_requests_lose_and_corrupt_none() {
+    let t = target();
+    let (srv, base) = server(&t, config(Policy::Dspark));
+    // Short raw prompts, each with its own answer, so a mixed-up stream shows.
+    let ps: Vec<String> = (0..40).map(|k| format!("Fact number {k}: the")).collect();
+    let want: Vec<String> = ps
+        .iter()
+        .map(|p| t.tokenizer.decode(&common::plain(&t, &t.tokenizer.encode(p, true).unwrap(), 3)).unwrap())
+        .collect();
+    let total = 2000;
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let bad = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..16 {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= total {
+                    break;
+                }
+                let k = i % ps.len();
+                let text = if i % 2 == 0 {
+                    stream_completion(&base, &ps[k], 3)
+                } else {
+                    let body = json!({"model": MODEL, "prompt": ps[k], "max_tokens": 3, "temperature": 0});
+                    let (code, v) = post(&base, "/v1/completions", &body);
+                    assert_eq!(code, 200, "{v}");
+                    v["choices"][0]["text"].as_str().unwrap().to_string()
+                };
+                if text != want[k] {
+                    bad.lock().unwrap().push((i, text));
+                }
+            });
+        }
+    });
+    assert!(bad.lock().unwrap().is_empty(), "corrupted answers: {:?}", bad.lock().unwrap());
+    assert_eq!(metric(&base, "dspark_requests_total{outcome=\"ok\"}"), total as f64);
+    assert_eq!(metric(&base, "dspark_running_sequences"), 0.0);
+    assert_eq!(metric(&base, "dspark_kv_reserved_tokens"), 0.0);
+    srv.stop().unwrap();
+}
+
+/// Opens a streaming request on a raw socket and reads until the first token arrives.
+fn open_stream(addr: &str, max_tokens: usize) -> std::net::TcpStream {
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Tell me a very long story about a dragon."}],
+                      "max_tokens": max_tokens, "temperature": 0, "stream": true})
+    .to_string();
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let mut seen = String::new();
+    let mut buf = [0u8; 4096];
+    while seen.matches("data: ").count() < 3 {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "stream closed early: {seen}");
+        seen += &String::from_utf8_lossy(&buf[..n]);
+    }
+    s
+}
+
+#[test]
+fn disconnected_clients_leave_no_sequence_or_memory_behind() {
+    let t = target();
+    let (srv, base) = server(&t, config(Policy::Dspark));
+    let addr = base.trim_start_matches("http://").to_string();
+    let streams: Vec<_> = (0..8).map(|_| open_stream(&addr, 2000)).collect();
+    assert!(metric(&base, "dspark_running_sequences") >= 1.0);
+    assert!(metric(&base, "dspark_kv_reserved_tokens") > 0.0);
+    drop(streams);
+    let t0 = Instant::now();
+    while metric(&base, "dspark_running_sequences") > 0.0 || metric(&base, "dspark_kv_reserved_tokens") > 0.0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "sequences still running after their clients left");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(metric(&base, "dspark_kv_used_tokens"), 0.0);
+    assert_eq!(metric(&base, "dspark_cancelled_requests_total"), 8.0);
+    // The server carries on.
+    let (text, _) = stream_chat(&base, "What is 2+2?", 8);
+    assert!(!text.is_empty());
+    srv.stop().unwrap();
+}
+
+#[test]
+fn bad_requests_get_openai_errors_and_the_server_stays_up() {
+    let t = target();
+    let mut c = config(Policy::Plain);
+    c.max_running = 1;
+    c.max_queue = 1;
+    let (srv, base) = server(&t, c);
+    let chat = |extra: Value| {
+        let mut b = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
+        b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        post(&base, "/v1/chat/completions", &b)
+    };
+    let check = |(code, v): (u16, Value), want: u16, says: &str| {
+        assert_eq!(code, want, "{v}");
+        let msg = v["error"]["message"].as_str().unwrap_or_else(|| panic!("not an OpenAI error: {v}"));
+        assert!(msg.contains(says), "`{msg}` should mention `{says}`");
+        assert!(v["error"]["type"].is_string());
+    };
+    let raw = ureq::post(&format!("{base}/v1/chat/completions")).send_string("{\"model\": ");
+    match raw {
+        Err(ureq::Error::Status(code, r)) => check((code, r.into_json().unwrap()), 400, "not valid JSON"),
+        other => panic!("malformed JSON accepted: {other:?}"),
+    }
+    check(chat(json!({"model": "gpt-4"})), 404, "does not exist");
+    check(chat(json!({"temperature": 7})), 400, "temperature");
+    check(chat(json!({"top_p": 1.5})), 400, "top_p");
+    check(chat(json!({"max_tokens": -3})), 400, "max_tokens");
+    check(chat(json!({"messages": []})), 400, "at least one message");
+    check(chat(json!({"messages": [{"role": "wizard", "content": "x"}]})), 400, "role");
+    check(chat(json!({"max_tokens": "many"})), 400, "invalid request");
+    let long = "word ".repeat(9000);
+    let (code, v) = chat(json!({"messages": [{"role": "user", "content": long}]}));
+    check((code, v.clone()), 400, "maximum context length");
+    assert_eq!(v["error"]["code"], "context_length_exceeded");
+    let (code, v) = post(&base, "/v1/completions", &json!({"model": MODEL, "prompt": "hi", "max_tokens": 9000}));
+    check((code, v), 400, "maximum context length");
+    // Queue full: one running, one waiting, the rest refused with 429.
+    let addr = base.trim_start_matches("http://").to_string();
+    let busy = open_stream(&addr, 3000);
+    let queued = std::thread::spawn({
+        let base = base.clone();
+        move || stream_chat(&base, "hello", 2)
+    });
+    let t0 = Instant::now();
+    while metric(&base, "dspark_queue_depth") < 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (code, v) = chat(json!({}));
+    check((code, v.clone()), 429, "queue is full");
+    assert_eq!(v["error"]["code"], "queue_full");
+    drop(busy);
+    assert!(!queued.join().unwrap().0.is_empty(), "the queued request runs once there is room");
+    let r = ureq::get(&format!("{base}/nope")).call();
+    assert!(matches!(r, Err(ureq::Error::Status(404, _))));
+    let h: Value = ureq::get(&format!("{base}/health")).call().unwrap().into_json().unwrap();
+    assert_eq!(h["status"], "ok");
+    assert!(metric(&base, "dspark_requests_total{outcome=\"rejected\"}") >= 11.0);
+    srv.stop().unwrap();
+}
+
+#[test]
+fn graceful_stop_finishes_requests_in_flight() {
+    let t = target();
+    let (srv, base) = server(&t, config(Policy::DsparkAsync));
+    let h = std::thread::spawn(move || stream_chat(&base, "Count from one to twenty.", 48));
+    std::thread::sleep(Duration::from_millis(300));
+    srv.stop().unwrap();
+    let (text, usage) = h.join().unwrap();
+    assert_eq!(usage["completion_tokens"].as_u64().unwrap() as usize, alone(&t, "Count from one to twenty.", 48).1);
+    assert!(!text.is_empty());
+}
+
+/// The official `openai` Python package, pip-installed into the test's scratch folder when the
+/// system lacks it.
+fn openai_python() -> (String, Option<PathBuf>) {
+    let py = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let has = std::process::Command::new(&py).args(["-c", "import openai"]).output();
+    if has.is_ok_and(|o| o.status.success()) {
+        return (py, None);
+    }
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("openai-client");
+    if !dir.join("openai").exists() {
+        let st = std::process::Command::new(&py)
+            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--target"])
+            .arg(&dir)
+            .arg("openai")
+            .status()
+            .expect("run pip");
+        assert!(st.success(), "pip install openai failed");
+    }
+    (py, Some(dir))
+}
+
+#[test]
+fn the_official_openai_python_client_works() {
+    let t = target();
+    let (srv, base) = server(&t, config(Policy::Dspark));
+    let (py, path) = openai_python();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
+    let mut cmd = std::process::Command::new(py);
+    cmd.arg(&script).arg(format!("{base}/v1")).arg(MODEL);
+    if let Some(p) = path {
+        cmd.env("PYTHONPATH", p);
+    }
+    let out = cmd.output().unwrap();
+    let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "openai client script failed:\n{log}");
+    assert!(log.contains("all openai client checks passed"), "{log}");
+    // The script's greedy chat answer is plain greedy decoding's.
+    let (want, _) = alone(&t, "Name three primary colors.", 24);
+    assert!(log.contains(&format!("CHAT={}", serde_json::to_string(&want).unwrap())), "{log}");
+    srv.stop().unwrap();
+}
