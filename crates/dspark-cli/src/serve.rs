@@ -27,17 +27,23 @@ impl ServeDrafter {
             ("auto", None) | ("none", _) => return Ok(None),
             (s, _) => s.to_string(),
         };
-        let Some((kind, dir)) = spec.split_once(':').filter(|(k, _)| matches!(*k, "dspark" | "dflash")) else {
+        let Some((kind, dir)) = spec.split_once(':').filter(|(k, _)| matches!(*k, "dspark" | "dflash"))
+        else {
             bail!("the server drafts with dspark:PATH or dflash:PATH checkpoints (or none); got `{spec}`");
         };
         let dir = Path::new(dir);
         let mut net = dspark_drafter_models::load(dir, target.clone(), target_name)
             .with_context(|| format!("loading drafter {}", dir.display()))?;
         net.quantize_for_inference()?;
-        let name = format!("{kind}:{}", dir.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default());
+        let name = format!(
+            "{kind}:{}",
+            dir.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default()
+        );
         match net {
             DrafterNet::Block(m) => Ok(Some((Arc::new(m), name))),
-            DrafterNet::Eagle3(_) => bail!("{} is an EAGLE-3 drafter; the server needs a dspark: or dflash: one", dir.display()),
+            DrafterNet::Eagle3(_) => {
+                bail!("{} is an EAGLE-3 drafter; the server needs a dspark: or dflash: one", dir.display())
+            }
         }
     }
 }
@@ -65,7 +71,12 @@ pub fn run_profile(a: ProfileArgs) -> Result<()> {
     Ok(())
 }
 
-fn measure(target: &Model, name: &str, drafter: Option<&(Arc<BlockModel>, String)>, reps: usize) -> Result<CostTable> {
+fn measure(
+    target: &Model,
+    name: &str,
+    drafter: Option<&(Arc<BlockModel>, String)>,
+    reps: usize,
+) -> Result<CostTable> {
     let d = drafter.map(|(m, n)| (m.as_ref(), n.as_str()));
     let t = dspark_engine::profile(target, name, d, reps, |line| eprintln!("  {line}"))?;
     let one = t.forward_s(1);
@@ -73,7 +84,11 @@ fn measure(target: &Model, name: &str, drafter: Option<&(Arc<BlockModel>, String
         "  SPS(1) = {:.1} steps/s; a forward at B = 8 costs {:.2}× one token{}",
         1.0 / one,
         t.forward_s(8) / one,
-        if t.draft.is_empty() { String::new() } else { format!(", a drafting round {:.2}×", t.draft_s(1) / one) }
+        if t.draft.is_empty() {
+            String::new()
+        } else {
+            format!(", a drafting round {:.2}×", t.draft_s(1) / one)
+        }
     );
     Ok(t)
 }
@@ -109,7 +124,12 @@ pub type LoadedDrafter = Option<(Arc<BlockModel>, String)>;
 
 impl EngineArgs {
     /// The cost table: loaded from --profile, or measured now.
-    pub fn cost_table(&self, target: &Model, target_name: &str, drafter: &LoadedDrafter) -> Result<CostTable> {
+    pub fn cost_table(
+        &self,
+        target: &Model,
+        target_name: &str,
+        drafter: &LoadedDrafter,
+    ) -> Result<CostTable> {
         match &self.profile {
             Some(p) => {
                 let t = CostTable::load(p)?;

@@ -139,7 +139,13 @@ fn request(base: &str, model: &str, prompt: &str, a: &ServeBenchArgs, index: usi
     })
 }
 
-fn level(base: &str, model: &str, prompts: &[String], a: &ServeBenchArgs, c: usize) -> (Vec<Outcome>, usize, f64) {
+fn level(
+    base: &str,
+    model: &str,
+    prompts: &[String],
+    a: &ServeBenchArgs,
+    c: usize,
+) -> (Vec<Outcome>, usize, f64) {
     let next = AtomicUsize::new(0);
     let done = Mutex::new(Vec::new());
     let failed = AtomicUsize::new(0);
@@ -249,7 +255,11 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         }
         println!(
             "greedy outputs: {}",
-            if mismatches == 0 { "identical across policies and concurrency levels".to_string() } else { format!("{mismatches} differ") }
+            if mismatches == 0 {
+                "identical across policies and concurrency levels".to_string()
+            } else {
+                format!("{mismatches} differ")
+            }
         );
     }
     if let Some(out) = &a.out {
@@ -311,11 +321,19 @@ fn plot(rows: &[Level], model: &str) -> String {
         let pts: Vec<&Level> = rows.iter().filter(|r| r.policy == *p).collect();
         let line: Vec<String> =
             pts.iter().map(|r| format!("{:.1},{:.1}", x(r.aggregate_tok_s), y(r.per_user_tok_s))).collect();
-        s += &format!("<polyline points='{}' fill='none' stroke='{color}' stroke-width='2'/>\n", line.join(" "));
+        s += &format!(
+            "<polyline points='{}' fill='none' stroke='{color}' stroke-width='2'/>\n",
+            line.join(" ")
+        );
         for r in &pts {
             let (cx, cy) = (x(r.aggregate_tok_s), y(r.per_user_tok_s));
             s += &format!("<circle cx='{cx:.1}' cy='{cy:.1}' r='3' fill='{color}'/>\n");
-            s += &format!("<text x='{:.1}' y='{:.1}' fill='{color}'>{}</text>\n", cx + 4.0, cy - 4.0, r.concurrency);
+            s += &format!(
+                "<text x='{:.1}' y='{:.1}' fill='{color}'>{}</text>\n",
+                cx + 4.0,
+                cy - 4.0,
+                r.concurrency
+            );
         }
         s += &format!(
             "<rect x='{}' y='{}' width='12' height='3' fill='{color}'/><text x='{}' y='{}'>{p}</text>\n",

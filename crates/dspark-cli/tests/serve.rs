@@ -103,7 +103,9 @@ fn stream_chat(base: &str, prompt: &str, max_tokens: usize) -> (String, Value) {
 fn metric(base: &str, name: &str) -> f64 {
     let text = ureq::get(&format!("{base}/metrics")).call().unwrap().into_string().unwrap();
     text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')).map(|v| v.trim().parse().unwrap()))
+        .find_map(|l| {
+            l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')).map(|v| v.trim().parse().unwrap())
+        })
         .unwrap_or_else(|| panic!("{name} not in /metrics"))
 }
 
@@ -142,14 +144,17 @@ fn thirty_two_concurrent_streams_each_equal_plain_greedy_decoding() {
 
 /// Streams a text completion; returns the text and the usage chunk.
 fn stream_completion(base: &str, prompt: &str, max_tokens: usize) -> String {
-    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true});
+    let body =
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true});
     let r = ureq::post(&format!("{base}/v1/completions")).send_json(body).unwrap();
     let mut text = String::new();
     for line in std::io::BufReader::new(r.into_reader()).lines() {
         let line = line.unwrap();
         match line.strip_prefix("data: ") {
             Some("[DONE]") => return text,
-            Some(d) => text += serde_json::from_str::<Value>(d).unwrap()["choices"][0]["text"].as_str().unwrap_or(""),
+            Some(d) => {
+                text += serde_json::from_str::<Value>(d).unwrap()["choices"][0]["text"].as_str().unwrap_or("")
+            }
             None => {}
         }
     }
@@ -177,7 +182,7 @@ fn thousands_of_short_requests_lose_and_corrupt_none() {
                     break;
                 }
                 let k = i % ps.len();
-                let text = if i % 2 == 0 {
+                let text = if i.is_multiple_of(2) {
                     stream_completion(&base, &ps[k], 3)
                 } else {
                     let body = json!({"model": MODEL, "prompt": ps[k], "max_tokens": 3, "temperature": 0});
@@ -225,7 +230,8 @@ fn disconnected_clients_leave_no_sequence_or_memory_behind() {
     assert!(metric(&base, "dspark_kv_reserved_tokens") > 0.0);
     drop(streams);
     let t0 = Instant::now();
-    while metric(&base, "dspark_running_sequences") > 0.0 || metric(&base, "dspark_kv_reserved_tokens") > 0.0 {
+    while metric(&base, "dspark_running_sequences") > 0.0 || metric(&base, "dspark_kv_reserved_tokens") > 0.0
+    {
         assert!(t0.elapsed() < Duration::from_secs(10), "sequences still running after their clients left");
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -271,7 +277,8 @@ fn bad_requests_get_openai_errors_and_the_server_stays_up() {
     let (code, v) = chat(json!({"messages": [{"role": "user", "content": long}]}));
     check((code, v.clone()), 400, "maximum context length");
     assert_eq!(v["error"]["code"], "context_length_exceeded");
-    let (code, v) = post(&base, "/v1/completions", &json!({"model": MODEL, "prompt": "hi", "max_tokens": 9000}));
+    let (code, v) =
+        post(&base, "/v1/completions", &json!({"model": MODEL, "prompt": "hi", "max_tokens": 9000}));
     check((code, v), 400, "maximum context length");
     // Queue full: one running, one waiting, the rest refused with 429.
     let addr = base.trim_start_matches("http://").to_string();
@@ -306,7 +313,10 @@ fn graceful_stop_finishes_requests_in_flight() {
     std::thread::sleep(Duration::from_millis(300));
     srv.stop().unwrap();
     let (text, usage) = h.join().unwrap();
-    assert_eq!(usage["completion_tokens"].as_u64().unwrap() as usize, alone(&t, "Count from one to twenty.", 48).1);
+    assert_eq!(
+        usage["completion_tokens"].as_u64().unwrap() as usize,
+        alone(&t, "Count from one to twenty.", 48).1
+    );
     assert!(!text.is_empty());
 }
 
@@ -350,4 +360,67 @@ fn the_official_openai_python_client_works() {
     let (want, _) = alone(&t, "Name three primary colors.", 24);
     assert!(log.contains(&format!("CHAT={}", serde_json::to_string(&want).unwrap())), "{log}");
     srv.stop().unwrap();
+}
+
+/// Sampled requests batched together still follow the target's distribution exactly: the first
+/// and (given the most common first) second committed tokens of 2 400 requests sharing a prompt,
+/// drafted by the shipped DSpark drafter and verified under the dspark policy, against the
+/// target's own distributions (χ²).
+#[test]
+fn batched_sampled_requests_follow_the_target_distribution() {
+    use dspark_engine::{Event, Request, RequestParams};
+    use dspark_model::{SeqInput, TapSpec};
+    use dspark_sampling::SamplingParams;
+    let t = target();
+    let engine = dspark_engine::spawn(t.clone(), Some(drafter(&t)), config(Policy::Dspark)).unwrap();
+    let prompt = t.tokenizer.encode("The weather today is", true).unwrap();
+    let sampling = SamplingParams { temperature: 1.0, top_k: Some(40), top_p: None };
+    let n = 2400;
+    let receivers: Vec<_> = (0..n)
+        .map(|i| {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            let params =
+                RequestParams { max_tokens: 2, sampling, seed: 1000 + i as u64, stop_tokens: vec![] };
+            engine.submit(Request { prompt: prompt.clone(), params, tag: None, events: tx }).unwrap();
+            rx
+        })
+        .collect();
+    let mut pairs = Vec::new();
+    let mut accepted = 0;
+    for mut rx in receivers {
+        let mut toks = Vec::new();
+        loop {
+            match rx.blocking_recv().expect("an answer") {
+                Event::Tokens(ts) => toks.extend(ts),
+                Event::Done { usage, .. } => {
+                    accepted += usage.accepted_tokens;
+                    break;
+                }
+                Event::Error(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(toks.len(), 2);
+        pairs.push((toks[0], toks[1]));
+    }
+    assert!(accepted > n / 10 && accepted < n, "both accept and reject paths ran ({accepted} accepted)");
+    let dist = |ctx: &[u32]| {
+        let mut cache = t.new_cache(ctx.len());
+        let out = t.forward(&mut [SeqInput::logits_last(&mut cache, ctx)], &TapSpec::default()).unwrap();
+        sampling.distribution(&out[0].logits)
+    };
+    let v = t.vocab_size();
+    let mut first = vec![0usize; v];
+    for &(a, _) in &pairs {
+        first[a as usize] += 1;
+    }
+    common::chi2_check(&first, &dist(&prompt), n, "first token");
+    let mode = (0..v).max_by_key(|&i| first[i]).unwrap() as u32;
+    let mut second = vec![0usize; v];
+    let seconds: Vec<u32> = pairs.iter().filter(|p| p.0 == mode).map(|p| p.1).collect();
+    for &b in &seconds {
+        second[b as usize] += 1;
+    }
+    let ctx: Vec<u32> = prompt.iter().copied().chain([mode]).collect();
+    common::chi2_check(&second, &dist(&ctx), seconds.len(), "second token given the first");
+    engine.shutdown();
 }

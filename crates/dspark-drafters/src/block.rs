@@ -52,7 +52,11 @@ pub(crate) fn choose(
 pub type BatchEntry<'a> = (&'a mut BlockSeq, &'a [u32], &'a SamplingParams);
 
 /// Drafts for several sequences with one backbone pass and one LM-head product.
-pub fn propose_batch(net: &BlockModel, seqs: &mut [BatchEntry], max_len: usize) -> DraftResult<Vec<Proposal>> {
+pub fn propose_batch(
+    net: &BlockModel,
+    seqs: &mut [BatchEntry],
+    max_len: usize,
+) -> DraftResult<Vec<Proposal>> {
     let n = max_len.min(net.gamma());
     if n == 0 || seqs.is_empty() {
         return Ok(seqs.iter().map(|_| Proposal::default()).collect());

@@ -80,7 +80,11 @@ impl EngineHandle {
         }
         let context = self.target.config.context_length;
         if prompt.len() + p.max_tokens > context {
-            return Err(SubmitError::ContextExceeded { context, prompt: prompt.len(), max_tokens: p.max_tokens });
+            return Err(SubmitError::ContextExceeded {
+                context,
+                prompt: prompt.len(),
+                max_tokens: p.max_tokens,
+            });
         }
         if reservation(prompt.len(), p.max_tokens, self.config.draft_len, context) > self.config.kv_tokens {
             return Err(SubmitError::Invalid(format!(
@@ -139,7 +143,10 @@ pub fn spawn(
                 config.policy
             )))
         }
-        Some(d) if config.policy.needs_confidence() && !d.config.dspark.as_ref().is_some_and(|e| e.confidence) => {
+        Some(d)
+            if config.policy.needs_confidence()
+                && !d.config.dspark.as_ref().is_some_and(|e| e.confidence) =>
+        {
             return Err(SubmitError::Invalid(format!(
                 "policy {} ranks drafts by predicted survival, but this drafter has no confidence head; \
                  use --policy fixed or a DSpark checkpoint",
@@ -272,7 +279,10 @@ impl Worker {
                 }
             }
             self.retire(&mut running, |s| s.finish.is_some() || s.failed);
-            self.shared.steps.fetch_add(1, Relaxed);
+            let steps = self.shared.steps.fetch_add(1, Relaxed) + 1;
+            if self.config.online_calibration && steps.is_multiple_of(16) {
+                *self.shared.calibration.lock().unwrap() = self.calib.status();
+            }
         }
     }
 
@@ -330,7 +340,11 @@ impl Worker {
                 },
                 None => None,
             };
-            let usage = Usage { prompt_tokens: req.prompt.len(), queue_s: arrived.elapsed().as_secs_f64(), ..Default::default() };
+            let usage = Usage {
+                prompt_tokens: req.prompt.len(),
+                queue_s: arrived.elapsed().as_secs_f64(),
+                ..Default::default()
+            };
             running.push(Seq {
                 context: req.prompt.clone(),
                 prompt_len: req.prompt.len(),
@@ -354,10 +368,13 @@ impl Worker {
         let drafting = self.drafter.is_some() && !decoding.is_empty() && self.sched.should_draft();
         let mut proposals = if drafting { self.draft(seqs, &decoding)? } else { vec![] };
         proposals.resize(decoding.len(), Proposal::default());
-        let survival: Vec<Vec<f32>> = decoding.iter().zip(&proposals).map(|(&i, p)| self.survival(&seqs[i], p)).collect();
+        let survival: Vec<Vec<f32>> =
+            decoding.iter().zip(&proposals).map(|(&i, p)| self.survival(&seqs[i], p)).collect();
         let lengths = if drafting { self.sched.plan(&survival).lengths } else { vec![0; decoding.len()] };
         let mut parts: Vec<Part> = Vec::new();
-        for ((&seq, mut proposal), (mut survival, len)) in decoding.iter().zip(proposals).zip(survival.into_iter().zip(lengths)) {
+        for ((&seq, mut proposal), (mut survival, len)) in
+            decoding.iter().zip(proposals).zip(survival.into_iter().zip(lengths))
+        {
             proposal.tokens.truncate(len);
             proposal.dists.truncate(len);
             survival.truncate(len);
@@ -374,7 +391,9 @@ impl Worker {
         let outs = self.forward(seqs, &parts)?;
         for (part, out) in parts.into_iter().zip(outs) {
             match part {
-                Part::Verify { seq, proposal, survival } => self.accept(&mut seqs[seq], proposal, &survival, out)?,
+                Part::Verify { seq, proposal, survival } => {
+                    self.accept(&mut seqs[seq], proposal, &survival, out)?
+                }
                 Part::Prefill { seq, rows } => self.feed(&mut seqs[seq], out, rows)?,
             }
         }
@@ -389,7 +408,13 @@ impl Worker {
         let mut entries: Vec<BatchEntry> = seqs
             .iter_mut()
             .filter(|s| s.decoding())
-            .map(|s| (s.draft.as_mut().expect("a drafter state per request"), s.context.as_slice(), &s.req.params.sampling))
+            .map(|s| {
+                (
+                    s.draft.as_mut().expect("a drafter state per request"),
+                    s.context.as_slice(),
+                    &s.req.params.sampling,
+                )
+            })
             .collect();
         let mut proposals = propose_batch(net, &mut entries, gamma)?;
         for ((p, b), &i) in proposals.iter_mut().zip(budgets).zip(decoding) {
@@ -425,9 +450,9 @@ impl Worker {
         let blocks: Vec<Vec<u32>> = parts
             .iter()
             .map(|p| match p {
-                Part::Verify { seq, proposal, .. } => {
-                    std::iter::once(*seqs[*seq].context.last().unwrap()).chain(proposal.tokens.iter().copied()).collect()
-                }
+                Part::Verify { seq, proposal, .. } => std::iter::once(*seqs[*seq].context.last().unwrap())
+                    .chain(proposal.tokens.iter().copied())
+                    .collect(),
                 Part::Prefill { seq, rows } => {
                     let s = &seqs[*seq];
                     s.context[s.cache.len()..s.cache.len() + rows].to_vec()
@@ -451,7 +476,13 @@ impl Worker {
         Ok(self.target.forward(&mut inputs, &self.taps)?)
     }
 
-    fn accept(&mut self, s: &mut Seq, proposal: Proposal, survival: &[f32], out: SeqOutput) -> Result<(), DraftError> {
+    fn accept(
+        &mut self,
+        s: &mut Seq,
+        proposal: Proposal,
+        survival: &[f32],
+        out: SeqOutput,
+    ) -> Result<(), DraftError> {
         let v = self.target.vocab_size();
         let n = proposal.len();
         let params = &s.req.params.sampling;
@@ -463,9 +494,6 @@ impl Worker {
         if let (Some(c), true) = (&proposal.confidence, n > 0) {
             if self.config.online_calibration {
                 self.calib.observe(s.req.tag.as_deref(), &c[..n], survival, verdict.accepted);
-                if self.shared.steps.load(Relaxed) % 16 == 0 {
-                    *self.shared.calibration.lock().unwrap() = self.calib.status();
-                }
             }
         }
         s.usage.rounds += 1;
@@ -476,7 +504,8 @@ impl Worker {
         self.shared.accepted.fetch_add(verdict.accepted as u64, Relaxed);
         self.feed(s, out, 1 + verdict.accepted)?;
         let p = &s.req.params;
-        let (emit, finish) = apply_stops(&mut s.context, s.prompt_len, committed, &p.stop_tokens, p.max_tokens);
+        let (emit, finish) =
+            apply_stops(&mut s.context, s.prompt_len, committed, &p.stop_tokens, p.max_tokens);
         s.finish = finish;
         self.shared.committed.fetch_add(emit.len() as u64, Relaxed);
         if !emit.is_empty() {

@@ -8,6 +8,6 @@ pub mod profile;
 mod request;
 
 pub use dspark_decode::FinishReason;
-pub use profile::profile;
 pub use engine::{spawn, EngineConfig, EngineHandle, Shared};
+pub use profile::profile;
 pub use request::{Event, Request, RequestParams, SubmitError, Usage};

@@ -37,7 +37,8 @@ pub fn profile(
     let mut cache = target.new_cache(CONTEXT + 128);
     let rows: Vec<usize> = (0..CONTEXT).collect();
     let tap_rows = if taps.layers.is_empty() { Vec::new() } else { rows.clone() };
-    let mut pre = [SeqInput { cache: &mut cache, tokens: &tokens[..CONTEXT], logit_rows: Vec::new(), tap_rows }];
+    let mut pre =
+        [SeqInput { cache: &mut cache, tokens: &tokens[..CONTEXT], logit_rows: Vec::new(), tap_rows }];
     let out = target.forward(&mut pre, &taps)?.remove(0);
     let mut features = TargetFeatures::default();
     append_features(&mut features, out, CONTEXT, target.config.hidden);

@@ -63,7 +63,10 @@ impl Usage {
 pub enum Event {
     /// Newly committed tokens, in order.
     Tokens(Vec<u32>),
-    Done { finish: FinishReason, usage: Usage },
+    Done {
+        finish: FinishReason,
+        usage: Usage,
+    },
     /// The request failed or was cancelled by the server.
     Error(String),
 }

@@ -90,7 +90,6 @@ pub fn fit_with(rounds: &[Round], gamma: usize, grid: &[f64]) -> (Vec<f64>, Vec<
     (temps, before, after)
 }
 
-
 /// Logit of a probability, clamped away from 0 and 1.
 pub fn logit(p: f32) -> f32 {
     let p = (p as f64).clamp(1e-6, 1.0 - 1e-6);
@@ -288,7 +287,11 @@ mod tests {
         let s = cal.status();
         let chat = s.iter().find(|t| t.tag == "chat").unwrap();
         assert!(chat.fits > 10 && chat.temperatures[0] > 1.0);
-        assert_eq!(cal.survival(Some("code"), &conf), cal.survival(None, &conf), "unknown tags use the global fit");
+        assert_eq!(
+            cal.survival(Some("code"), &conf),
+            cal.survival(None, &conf),
+            "unknown tags use the global fit"
+        );
         // A tag with perfect acceptance learns to trust the drafter again.
         for _ in 0..400 {
             let used = cal.survival(Some("code"), &conf);

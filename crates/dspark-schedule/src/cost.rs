@@ -75,7 +75,8 @@ impl CostTable {
 
     pub fn load(path: &Path) -> Result<Self, ScheduleError> {
         let err = |reason: String| ScheduleError::Table { path: path.display().to_string(), reason };
-        let text = std::fs::read_to_string(path).map_err(|e| err(format!("{e}; create one with `dspark profile`")))?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| err(format!("{e}; create one with `dspark profile`")))?;
         let t: Self = serde_json::from_str(&text).map_err(|e| err(format!("not a cost table: {e}")))?;
         t.validate().map_err(err)?;
         Ok(t)

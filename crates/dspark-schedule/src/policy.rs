@@ -88,17 +88,16 @@ fn ranked(survival: &[Vec<f32>]) -> Vec<(f32, usize, usize)> {
 /// verify length per request. `survival[r]` is request r's prefix survivals `a_{r,1..}`.
 pub fn prefix_schedule(survival: &[Vec<f32>], cost: &CostTable) -> Vec<usize> {
     let mut len = vec![0; survival.len()];
-    let mut b = survival.len();
-    let mut tau = b as f64;
-    let mut theta = tau * cost.sps(b);
-    for (a, j, r) in ranked(survival) {
-        let next = (tau + a as f64) * cost.sps(b + 1);
+    let mut tau = survival.len() as f64;
+    let mut theta = tau * cost.sps(survival.len());
+    // B grows by one per admitted slot.
+    for (b, (a, j, r)) in (survival.len() + 1..).zip(ranked(survival)) {
+        let next = (tau + a as f64) * cost.sps(b);
         if next <= theta {
             break; // the early stop: nothing after this slot is looked at
         }
         debug_assert_eq!(len[r], j, "slots must be admitted as prefixes");
         len[r] += 1;
-        b += 1;
         tau += a as f64;
         theta = next;
     }
@@ -164,7 +163,9 @@ impl Scheduler {
         let lengths = match self.policy {
             Policy::Plain => vec![0; survival.len()],
             Policy::Fixed => survival.iter().map(Vec::len).collect(),
-            Policy::Threshold(p) => survival.iter().map(|a| a.iter().take_while(|&&x| x >= p).count()).collect(),
+            Policy::Threshold(p) => {
+                survival.iter().map(|a| a.iter().take_while(|&&x| x >= p).count()).collect()
+            }
             Policy::Dspark => prefix_schedule(survival, &self.cost),
             Policy::DsparkAsync => {
                 let now: usize = prefix_schedule(survival, &self.cost).iter().sum();
@@ -285,6 +286,10 @@ mod tests {
         assert_eq!(skipped, PROBE_AFTER);
         assert!(s.should_draft(), "a probe after the pause");
         s.plan(&[vec![0.3]]);
-        assert_eq!((0..2 * PROBE_AFTER).filter(|_| !s.should_draft()).count(), 2 * PROBE_AFTER, "backoff doubles");
+        assert_eq!(
+            (0..2 * PROBE_AFTER).filter(|_| !s.should_draft()).count(),
+            2 * PROBE_AFTER,
+            "backoff doubles"
+        );
     }
 }

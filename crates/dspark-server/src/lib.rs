@@ -40,7 +40,12 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn new(engine: Arc<EngineHandle>, model_name: &str, drafter_name: Option<String>, default_max_tokens: usize) -> Self {
+    pub fn new(
+        engine: Arc<EngineHandle>,
+        model_name: &str,
+        drafter_name: Option<String>,
+        default_max_tokens: usize,
+    ) -> Self {
         Self {
             engine,
             model_name: model_name.to_string(),
@@ -176,7 +181,8 @@ async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
         let text = match &s.model().chat_template {
             Some(t) => {
                 let msgs: Vec<ChatMessage> = turns.iter().map(|(r, c)| ChatMessage::new(r, c)).collect();
-                t.render(&msgs, true).map_err(|e| ApiError::invalid(format!("chat template: {e}"), Some("messages")))?
+                t.render(&msgs, true)
+                    .map_err(|e| ApiError::invalid(format!("chat template: {e}"), Some("messages")))?
             }
             None => turns.iter().map(|(_, c)| c.as_str()).collect::<Vec<_>>().join("\n"),
         };
@@ -223,12 +229,12 @@ fn check_model(s: &AppState, model: &str) -> Result<(), ApiError> {
 
 fn submit_error(e: SubmitError) -> ApiError {
     match e {
-        SubmitError::QueueFull(_) => {
-            ApiError::invalid(e.to_string(), None).status(StatusCode::TOO_MANY_REQUESTS).with_code("queue_full")
-        }
-        SubmitError::ShuttingDown => {
-            ApiError::invalid(e.to_string(), None).status(StatusCode::SERVICE_UNAVAILABLE).with_code("shutting_down")
-        }
+        SubmitError::QueueFull(_) => ApiError::invalid(e.to_string(), None)
+            .status(StatusCode::TOO_MANY_REQUESTS)
+            .with_code("queue_full"),
+        SubmitError::ShuttingDown => ApiError::invalid(e.to_string(), None)
+            .status(StatusCode::SERVICE_UNAVAILABLE)
+            .with_code("shutting_down"),
         SubmitError::ContextExceeded { .. } => {
             ApiError::invalid(e.to_string(), Some("messages")).with_code("context_length_exceeded")
         }
@@ -250,7 +256,8 @@ impl StopFilter {
         let longest = self.stops.iter().map(String::len).max().unwrap_or(0);
         let from = self.emitted.saturating_sub(longest);
         let from = (0..=from).rev().find(|&i| self.text.is_char_boundary(i)).unwrap_or(0);
-        let hit = self.stops.iter().filter_map(|s| self.text[from..].find(s.as_str()).map(|i| from + i)).min();
+        let hit =
+            self.stops.iter().filter_map(|s| self.text[from..].find(s.as_str()).map(|i| from + i)).min();
         let end = match hit {
             Some(i) => i.max(self.emitted),
             None => {
@@ -293,7 +300,9 @@ impl Ids {
                 }
                 json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
             }
-            Kind::Text => json!({"index": 0, "text": content.unwrap_or(""), "logprobs": null, "finish_reason": finish}),
+            Kind::Text => {
+                json!({"index": 0, "text": content.unwrap_or(""), "logprobs": null, "finish_reason": finish})
+            }
         };
         json!({"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": [choice]})
     }
@@ -350,7 +359,11 @@ async fn generate(s: Arc<AppState>, kind: Kind, text: &str, st: Settings) -> Res
     let max_tokens = st.max_tokens.unwrap_or_else(|| s.default_max_tokens.min(room.max(1)));
     let params = RequestParams {
         max_tokens,
-        sampling: SamplingParams { temperature: st.temperature as f32, top_k: st.top_k, top_p: st.top_p.map(|p| p as f32) },
+        sampling: SamplingParams {
+            temperature: st.temperature as f32,
+            top_k: st.top_k,
+            top_p: st.top_p.map(|p| p as f32),
+        },
         seed: st.seed,
         stop_tokens: model.tokenizer.eos().to_vec(),
     };
@@ -431,7 +444,9 @@ async fn complete(
     };
     let usage = finished(&s, usage, count);
     let choice = match kind {
-        Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": null, "finish_reason": finish}),
+        Kind::Chat => {
+            json!({"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": null, "finish_reason": finish})
+        }
         Kind::Text => json!({"index": 0, "text": out, "logprobs": null, "finish_reason": finish}),
     };
     Json(json!({"id": ids.id, "object": ids.object, "created": ids.created, "model": ids.model,
@@ -480,7 +495,11 @@ fn stream(
         let mut dec = StreamDecoder::new(&model.tokenizer);
         let mut stops = StopFilter { stops: st.stop.clone(), text: String::new(), emitted: 0 };
         let data = |v: Value| SseEvent::default().data(v.to_string());
-        let first = if kind == Kind::Chat { ids.chunk(kind, Some(""), true, None) } else { ids.chunk(kind, Some(""), false, None) };
+        let first = if kind == Kind::Chat {
+            ids.chunk(kind, Some(""), true, None)
+        } else {
+            ids.chunk(kind, Some(""), false, None)
+        };
         if tx.send(data(first)).await.is_err() {
             s.metrics.request("cancelled");
             return;
@@ -506,7 +525,9 @@ fn stream(
                             hit |= h;
                         }
                     }
-                    if !piece.is_empty() && tx.send(data(ids.chunk(kind, Some(&piece), false, None))).await.is_err() {
+                    if !piece.is_empty()
+                        && tx.send(data(ids.chunk(kind, Some(&piece), false, None))).await.is_err()
+                    {
                         s.metrics.request("cancelled");
                         return;
                     }
@@ -528,13 +549,21 @@ fn stream(
                 }
                 None => {
                     s.metrics.request("error");
-                    let _ = tx.send(data(engine_error("the engine stopped before finishing this request"))).await;
+                    let _ =
+                        tx.send(data(engine_error("the engine stopped before finishing this request"))).await;
                     return;
                 }
             }
         };
         let usage = finished(&s, usage, count);
-        let _ = tx.send(data(ids.chunk(kind, if kind == Kind::Chat { None } else { Some("") }, false, Some(finish)))).await;
+        let _ = tx
+            .send(data(ids.chunk(
+                kind,
+                if kind == Kind::Chat { None } else { Some("") },
+                false,
+                Some(finish),
+            )))
+            .await;
         if st.include_usage {
             let v = json!({"id": ids.id, "object": ids.object, "created": ids.created, "model": ids.model,
                            "choices": [], "usage": usage});

@@ -56,18 +56,35 @@ impl Metrics {
         let mut r = Registry::default();
         let ttft = Histogram::new(exponential_buckets(0.005, 2.0, 14));
         let itl = Histogram::new(exponential_buckets(0.001, 2.0, 14));
-        let verify_budget = Histogram::new([0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 12.0, 16.0]);
+        let verify_budget =
+            Histogram::new([0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 12.0, 16.0]);
         let request_tau = Histogram::new([1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0]);
-        r.register("dspark_time_to_first_token_seconds", "Time from request arrival to its first token", ttft.clone());
-        r.register("dspark_inter_token_latency_seconds", "Time between streamed tokens, per token", itl.clone());
+        r.register(
+            "dspark_time_to_first_token_seconds",
+            "Time from request arrival to its first token",
+            ttft.clone(),
+        );
+        r.register(
+            "dspark_inter_token_latency_seconds",
+            "Time between streamed tokens, per token",
+            itl.clone(),
+        );
         r.register(
             "dspark_verify_budget_per_request",
             "Mean drafts verified per step, per finished request",
             verify_budget.clone(),
         );
-        r.register("dspark_request_tau", "Tokens committed per target step, per finished request", request_tau.clone());
+        r.register(
+            "dspark_request_tau",
+            "Tokens committed per target step, per finished request",
+            request_tau.clone(),
+        );
         let requests = Family::<Labels, Counter>::default();
-        r.register("dspark_requests", "Requests by outcome (ok, cancelled, error, rejected)", requests.clone());
+        r.register(
+            "dspark_requests",
+            "Requests by outcome (ok, cancelled, error, rejected)",
+            requests.clone(),
+        );
         let gauge = |r: &mut Registry, name: &str, help: &str| {
             let g = Gauge::default();
             r.register(name, help, g.clone());
@@ -76,7 +93,8 @@ impl Metrics {
         let queue = gauge(&mut r, "dspark_queue_depth", "Requests waiting for admission");
         let running = gauge(&mut r, "dspark_running_sequences", "Requests being decoded");
         let kv_used = gauge(&mut r, "dspark_kv_used_tokens", "KV positions holding tokens");
-        let kv_reserved = gauge(&mut r, "dspark_kv_reserved_tokens", "KV positions reserved by running requests");
+        let kv_reserved =
+            gauge(&mut r, "dspark_kv_reserved_tokens", "KV positions reserved by running requests");
         let kv_capacity = gauge(&mut r, "dspark_kv_capacity_tokens", "KV positions the server may reserve");
         let kv_bytes = gauge(&mut r, "dspark_kv_used_bytes", "Bytes of KV cache holding tokens");
         let tau = FGauge::default();
@@ -88,7 +106,11 @@ impl Metrics {
             calibration_ece.clone(),
         );
         let calibration_fits = Family::<Labels, Gauge>::default();
-        r.register("dspark_calibration_fits", "Online recalibrations so far, per workload tag", calibration_fits.clone());
+        r.register(
+            "dspark_calibration_fits",
+            "Online recalibrations so far, per workload tag",
+            calibration_fits.clone(),
+        );
         let mirrored = MIRRORED
             .iter()
             .map(|&(name, help)| {

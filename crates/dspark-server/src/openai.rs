@@ -146,6 +146,7 @@ pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError>
 }
 
 /// Validated sampling settings.
+#[derive(Debug)]
 pub struct Settings {
     pub max_tokens: Option<usize>,
     pub temperature: f64,
@@ -163,7 +164,10 @@ impl Common {
         let max = self.max_completion_tokens.or(self.max_tokens);
         if let Some(m) = max {
             if m < 1 {
-                return Err(ApiError::invalid(format!("max_tokens must be at least 1 (got {m})"), Some("max_tokens")));
+                return Err(ApiError::invalid(
+                    format!("max_tokens must be at least 1 (got {m})"),
+                    Some("max_tokens"),
+                ));
             }
         }
         let temperature = self.temperature.unwrap_or(1.0);
@@ -180,7 +184,10 @@ impl Common {
         }
         if let Some(k) = self.top_k {
             if k < 0 {
-                return Err(ApiError::invalid(format!("top_k must be 0 (off) or positive (got {k})"), Some("top_k")));
+                return Err(ApiError::invalid(
+                    format!("top_k must be 0 (off) or positive (got {k})"),
+                    Some("top_k"),
+                ));
             }
         }
         if let Some(n) = self.n {
@@ -199,7 +206,12 @@ impl Common {
         let tag = match self.metadata.as_ref().and_then(|m| m.get("tag")) {
             None => None,
             Some(Value::String(t)) if !t.is_empty() && t.len() <= 64 => Some(t.clone()),
-            Some(_) => return Err(ApiError::invalid("metadata.tag must be a string of 1 to 64 characters", Some("metadata"))),
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    "metadata.tag must be a string of 1 to 64 characters",
+                    Some("metadata"),
+                ))
+            }
         };
         Ok(Settings {
             max_tokens: max.map(|m| m as usize),
@@ -243,7 +255,10 @@ impl ChatRequest {
                         for p in parts {
                             if p.kind != "text" {
                                 return Err(ApiError::invalid(
-                                    format!("content parts of type `{}` are not supported; send text", p.kind),
+                                    format!(
+                                        "content parts of type `{}` are not supported; send text",
+                                        p.kind
+                                    ),
                                     Some("messages"),
                                 ));
                             }
@@ -265,7 +280,8 @@ mod tests {
 
     #[test]
     fn parses_and_validates() {
-        let r: ChatRequest = parse(br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stop":"x"}"#).unwrap();
+        let r: ChatRequest =
+            parse(br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stop":"x"}"#).unwrap();
         let s = r.common.settings().unwrap();
         assert_eq!((s.stop, s.temperature, s.max_tokens), (vec!["x".to_string()], 1.0, None));
         assert!(parse::<ChatRequest>(b"{oops").unwrap_err().message.contains("not valid JSON"));
@@ -279,8 +295,10 @@ mod tests {
         assert_eq!(bad(r#""top_p":0"#), Some("top_p"));
         assert_eq!(bad(r#""max_tokens":0"#), Some("max_tokens"));
         assert_eq!(bad(r#""n":2"#), Some("n"));
-        let parts: ChatRequest =
-            parse(br#"{"model":"m","messages":[{"role":"developer","content":[{"type":"text","text":"a"}]}]}"#).unwrap();
+        let parts: ChatRequest = parse(
+            br#"{"model":"m","messages":[{"role":"developer","content":[{"type":"text","text":"a"}]}]}"#,
+        )
+        .unwrap();
         assert_eq!(parts.turns().unwrap(), vec![("system".to_string(), "a".to_string())]);
     }
 }

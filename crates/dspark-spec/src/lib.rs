@@ -7,6 +7,8 @@ pub mod stats;
 pub mod verify;
 
 pub use drafter::{DraftDist, DraftError, DraftResult, Drafter, Proposal, TargetFeatures};
-pub use engine::{append_features, apply_stops, generate_spec, wants, SpecError, SpecParams, SpecRun, SpecSequence};
+pub use engine::{
+    append_features, apply_stops, generate_spec, wants, SpecError, SpecParams, SpecRun, SpecSequence,
+};
 pub use stats::SpecStats;
 pub use verify::{verify, Verdict};
