@@ -4,6 +4,7 @@
 mod bench;
 mod calibrate;
 mod data;
+mod eval;
 mod serve;
 mod serve_bench;
 mod train;
@@ -80,6 +81,10 @@ enum Cmd {
     /// Serve an OpenAI-compatible API (chat and text completions, streaming, /metrics) with
     /// continuous batching and speculative decoding.
     Serve(serve::ServeArgs),
+    /// Evaluate drafters the paper's way on real benchmarks (batch 1, fixed block): τ per
+    /// benchmark and macro, acceptance per position and domain, calibration, speed; writes
+    /// report.md, results.json and plots.
+    Eval(eval::EvalArgs),
     /// Benchmarks that print figures (never timed tests).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -482,6 +487,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Train(t) => train::run(t)?,
         Cmd::Calibrate(c) => calibrate::run(c)?,
         Cmd::Profile(p) => serve::run_profile(p)?,
+        Cmd::Eval(e) => eval::run(e)?,
         Cmd::Serve(sv) => serve::run_serve(sv)?,
     }
     Ok(())

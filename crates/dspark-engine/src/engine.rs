@@ -124,6 +124,9 @@ impl EngineHandle {
     }
 }
 
+/// Pending drafter rows that force a feed even without drafting (bounds their memory).
+const FEED_EVERY: usize = 256;
+
 fn reservation(prompt: usize, max_tokens: usize, gamma: usize, context: usize) -> usize {
     (prompt + max_tokens + gamma + 1).min(context)
 }
@@ -197,6 +200,9 @@ struct Seq {
     cache: KvCache,
     reserved: usize,
     draft: Option<BlockSeq>,
+    /// Target features not yet handed to the drafter: feeding is batched until the next
+    /// drafting step, so steps without drafting pay nothing for it.
+    pending: TargetFeatures,
     rng: Sampler,
     usage: Usage,
     finish: Option<FinishReason>,
@@ -351,6 +357,7 @@ impl Worker {
                 cache: self.target.new_cache(need),
                 reserved: need,
                 draft,
+                pending: TargetFeatures::default(),
                 rng: Sampler::new(seed),
                 usage,
                 finish: None,
@@ -404,6 +411,9 @@ impl Worker {
     fn draft(&self, seqs: &mut [Seq], decoding: &[usize]) -> Result<Vec<Proposal>, DraftError> {
         let net = self.drafter.as_ref().expect("drafting needs a drafter");
         let gamma = self.config.draft_len;
+        for &i in decoding {
+            self.flush(&mut seqs[i])?;
+        }
         let budgets: Vec<usize> = decoding.iter().map(|&i| seqs[i].budget(gamma)).collect();
         let mut entries: Vec<BatchEntry> = seqs
             .iter_mut()
@@ -514,13 +524,22 @@ impl Worker {
         Ok(())
     }
 
-    /// Hands the drafter the target's hidden states of the first `rows` rows that entered the
-    /// cache.
+    /// Keeps the target's hidden states of the first `rows` rows that entered the cache for the
+    /// drafter.
     fn feed(&self, s: &mut Seq, out: SeqOutput, rows: usize) -> Result<(), DraftError> {
-        if let (Some(net), Some(d)) = (&self.drafter, s.draft.as_mut()) {
-            let mut f = TargetFeatures::default();
-            append_features(&mut f, out, rows, self.target.config.hidden);
-            d.feed(net, &f)?;
+        if s.draft.is_some() {
+            append_features(&mut s.pending, out, rows, self.target.config.hidden);
+            if s.pending.rows >= FEED_EVERY {
+                self.flush(s)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands the drafter every pending row.
+    fn flush(&self, s: &mut Seq) -> Result<(), DraftError> {
+        if let (Some(net), Some(d), true) = (&self.drafter, s.draft.as_mut(), s.pending.rows > 0) {
+            d.feed(net, &std::mem::take(&mut s.pending))?;
         }
         Ok(())
     }
