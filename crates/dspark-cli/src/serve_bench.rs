@@ -244,6 +244,7 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         }
         server.stop()?;
     }
+    println!("{}", ratios(&rows));
     let mut mismatches = 0;
     if a.temperature == 0.0 {
         let by_prompt: BTreeMap<usize, &String> = texts.iter().map(|((_, _, i), t)| (*i, t)).collect();
@@ -283,6 +284,17 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         bail!("greedy outputs differ between runs — please report this bug");
     }
     Ok(())
+}
+
+/// Per-user tokens/s of each policy against plain and fixed at the same concurrency.
+fn ratios(rows: &[Level]) -> String {
+    let find = |p: &str, c: usize| rows.iter().find(|r| r.policy == p && r.concurrency == c);
+    let mut s = String::from("per-user tokens/s ratios at equal concurrency:\n");
+    for r in rows.iter().filter(|r| r.policy != "plain" && r.policy != "fixed") {
+        let vs = |p: &str| find(p, r.concurrency).map_or("—".to_string(), |b| format!("{:.2}×", r.per_user_tok_s / b.per_user_tok_s));
+        s += &format!("  {:<14} conc {:>3}: vs plain {}, vs fixed {}\n", r.policy, r.concurrency, vs("plain"), vs("fixed"));
+    }
+    s
 }
 
 /// Per-user against aggregate tokens/s, one line per policy, points labelled by concurrency.
