@@ -291,8 +291,17 @@ fn ratios(rows: &[Level]) -> String {
     let find = |p: &str, c: usize| rows.iter().find(|r| r.policy == p && r.concurrency == c);
     let mut s = String::from("per-user tokens/s ratios at equal concurrency:\n");
     for r in rows.iter().filter(|r| r.policy != "plain" && r.policy != "fixed") {
-        let vs = |p: &str| find(p, r.concurrency).map_or("—".to_string(), |b| format!("{:.2}×", r.per_user_tok_s / b.per_user_tok_s));
-        s += &format!("  {:<14} conc {:>3}: vs plain {}, vs fixed {}\n", r.policy, r.concurrency, vs("plain"), vs("fixed"));
+        let vs = |p: &str| {
+            find(p, r.concurrency)
+                .map_or("—".to_string(), |b| format!("{:.2}×", r.per_user_tok_s / b.per_user_tok_s))
+        };
+        s += &format!(
+            "  {:<14} conc {:>3}: vs plain {}, vs fixed {}\n",
+            r.policy,
+            r.concurrency,
+            vs("plain"),
+            vs("fixed")
+        );
     }
     s
 }
