@@ -306,6 +306,42 @@ fn bad_requests_get_openai_errors_and_the_server_stays_up() {
 }
 
 #[test]
+fn stop_sequences_end_the_answer_before_them() {
+    let t = target();
+    let (srv, base) = server(&t, config(Policy::Dspark));
+    let prompt = "Write a short poem about the moon.";
+    let (full, _) = alone(&t, prompt, 40);
+    let words: Vec<&str> = full.split_whitespace().collect();
+    let stop = words[words.len() / 2];
+    let cut = &full[..full.find(stop).unwrap()];
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 40,
+                      "temperature": 0, "stop": [stop]});
+    let (code, v) = post(&base, "/v1/chat/completions", &body);
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], cut, "stop {stop:?}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let r = ureq::post(&format!("{base}/v1/chat/completions")).send_json(streamed).unwrap();
+    let mut text = String::new();
+    for line in std::io::BufReader::new(r.into_reader()).lines() {
+        let line = line.unwrap();
+        match line.strip_prefix("data: ") {
+            Some("[DONE]") => break,
+            Some(d) => {
+                text += serde_json::from_str::<Value>(d).unwrap()["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .unwrap_or("")
+            }
+            None => {}
+        }
+    }
+    assert_eq!(text, cut, "streamed text stops before the stop sequence too");
+    srv.stop().unwrap();
+}
+
+#[test]
 fn graceful_stop_finishes_requests_in_flight() {
     let t = target();
     let (srv, base) = server(&t, config(Policy::DsparkAsync));

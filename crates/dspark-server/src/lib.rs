@@ -282,6 +282,7 @@ impl StopFilter {
 
 struct Ids {
     id: String,
+    prompt_tokens: usize,
     object: &'static str,
     created: u64,
     model: String,
@@ -368,6 +369,7 @@ async fn generate(s: Arc<AppState>, kind: Kind, text: &str, st: Settings) -> Res
         stop_tokens: model.tokenizer.eos().to_vec(),
     };
     let (tx, rx) = mpsc::unbounded_channel();
+    let prompt_tokens = prompt.len();
     let req = Request { prompt, params, tag: st.tag.clone(), events: tx };
     if let Err(e) = s.engine.submit(req) {
         return reject(&s, submit_error(e));
@@ -380,6 +382,7 @@ async fn generate(s: Arc<AppState>, kind: Kind, text: &str, st: Settings) -> Res
             (Kind::Chat, false) => "chat.completion",
             (Kind::Text, _) => "text_completion",
         },
+        prompt_tokens,
         created: unix_now(),
         model: s.model_name.clone(),
     };
@@ -442,7 +445,7 @@ async fn complete(
             }
         }
     };
-    let usage = finished(&s, usage, count);
+    let usage = finished(&s, usage, count, ids.prompt_tokens);
     let choice = match kind {
         Kind::Chat => {
             json!({"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": null, "finish_reason": finish})
@@ -466,16 +469,17 @@ fn finish_reason(f: FinishReason) -> &'static str {
 }
 
 /// Records a finished request and returns its usage object.
-fn finished(s: &AppState, usage: Option<Usage>, count: usize) -> Value {
+fn finished(s: &AppState, usage: Option<Usage>, count: usize, prompt_tokens: usize) -> Value {
     s.metrics.request("ok");
-    let u = usage.unwrap_or_default();
+    let stopped_early = usage.is_none();
+    let u = usage.unwrap_or(Usage { prompt_tokens, ..Default::default() });
     if u.rounds > 0 {
         s.metrics.verify_budget.observe(u.mean_verify_budget());
         s.metrics.request_tau.observe(u.tau());
     }
     let mut v = usage_json(&u, count);
-    if u.prompt_tokens == 0 {
-        // Ended by a stop sequence before the engine's summary: what we know.
+    if stopped_early {
+        // Ended by a stop sequence before the engine's summary: no speculative statistics.
         v["speculative"] = Value::Null;
     }
     v
@@ -555,7 +559,7 @@ fn stream(
                 }
             }
         };
-        let usage = finished(&s, usage, count);
+        let usage = finished(&s, usage, count, ids.prompt_tokens);
         let _ = tx
             .send(data(ids.chunk(
                 kind,
