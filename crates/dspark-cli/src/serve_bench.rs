@@ -198,6 +198,7 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
     let prompts = prompts(&a, n_prompts)?;
     let mut rows: Vec<Level> = Vec::new();
     let mut texts: BTreeMap<(String, usize, usize), String> = BTreeMap::new();
+    let mut calibration: Vec<String> = Vec::new();
     println!(
         "{:<14} {:>4} {:>5} {:>6} {:>12} {:>12} {:>9} {:>8} {:>6}",
         "policy", "conc", "reqs", "failed", "per-user t/s", "aggregate t/s", "TTFT s", "budget", "τ"
@@ -242,6 +243,13 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
             }
             rows.push(row);
         }
+        // The server's own view of its online calibration after the load.
+        if let Ok(text) = ureq::get(&format!("{base}/metrics")).call().and_then(|r| Ok(r.into_string()?)) {
+            for line in text.lines().filter(|l| l.starts_with("dspark_calibration_")) {
+                println!("  {policy}: {line}");
+                calibration.push(format!("{policy}: {line}"));
+            }
+        }
         server.stop()?;
     }
     println!("{}", ratios(&rows));
@@ -273,6 +281,7 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
             "greedy_mismatches": mismatches,
             "cost_table": cost,
             "levels": rows,
+            "calibration_metrics": calibration,
         });
         let j = out.with_extension("json");
         std::fs::write(&j, serde_json::to_string_pretty(&json)? + "\n")?;
