@@ -244,7 +244,8 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
             rows.push(row);
         }
         // The server's own view of its online calibration after the load.
-        if let Ok(text) = ureq::get(&format!("{base}/metrics")).call().and_then(|r| Ok(r.into_string()?)) {
+        let metrics = ureq::get(&format!("{base}/metrics")).call().ok().and_then(|r| r.into_string().ok());
+        if let Some(text) = metrics {
             for line in text.lines().filter(|l| l.starts_with("dspark_calibration_")) {
                 println!("  {policy}: {line}");
                 calibration.push(format!("{policy}: {line}"));
