@@ -41,6 +41,9 @@ pub struct Report {
     pub seed: u64,
 }
 
+/// Rounds that must reach a position before its acceptance is shown or plotted.
+pub const MIN_REACHED: usize = 20;
+
 fn pct(x: f64) -> String {
     format!("{:+.1} %", x * 100.0)
 }
@@ -165,7 +168,8 @@ impl Report {
         s
     }
 
-    /// Conditional acceptance per position, per domain.
+    /// Conditional acceptance per position, per domain; positions reached by fewer than
+    /// [`MIN_REACHED`] rounds are left blank (too few to say anything).
     pub fn accept_md(&self) -> String {
         let g = self.drafters.iter().map(|d| d.gamma).max().unwrap_or(0);
         let mut s = format!(
@@ -182,9 +186,14 @@ impl Report {
         };
         for dom in domains {
             for d in &self.drafters {
-                let a = d.by_domain(&self.benches).get(&dom).map(|s| s.accept_at()).unwrap_or_default();
-                let cells: Vec<String> =
-                    (0..g).map(|k| a.get(k).map_or("".into(), |x| format!("{x:.3}"))).collect();
+                let st = d.by_domain(&self.benches).remove(&dom).unwrap_or_default();
+                let a = st.accept_at();
+                let cells: Vec<String> = (0..g)
+                    .map(|k| match (a.get(k), st.reached_at.get(k)) {
+                        (Some(x), Some(&n)) if n >= MIN_REACHED => format!("{x:.3}"),
+                        _ => String::new(),
+                    })
+                    .collect();
                 s += &format!("| {} | {} | {} |\n", dom.name(), d.name, cells.join(" | "));
             }
         }
@@ -255,12 +264,17 @@ impl Report {
                 .iter()
                 .map(|(k, s)| (k.name().to_string(), json!(s.accept_at())))
                 .collect();
+            let reached: serde_json::Map<String, Value> = d
+                .by_domain(&self.benches)
+                .iter()
+                .map(|(k, s)| (k.name().to_string(), json!(s.reached_at)))
+                .collect();
             let ece = d.ece().map(|(w, r)| json!({"shipped": w, "raw": r}));
             let sweep: serde_json::Map<String, Value> =
                 d.sweep.iter().map(|(g, s)| (g.to_string(), json!(s.tau()))).collect();
             drafters.insert(
                 d.name.clone(),
-                json!({"gamma": d.gamma, "macro_tau": d.macro_tau(), "tau": tau, "accept_at": acc, "tok_s": d.tok_s(),
+                json!({"gamma": d.gamma, "macro_tau": d.macro_tau(), "tau": tau, "accept_at": acc, "reached_at": reached, "tok_s": d.tok_s(),
                        "ece": ece, "tau_by_block": sweep, "rounds": d.total().rounds}),
             );
         }
@@ -298,8 +312,16 @@ impl Report {
                 .drafters
                 .iter()
                 .map(|d| {
-                    let a = d.by_domain(&self.benches).get(dom).map(|s| s.accept_at()).unwrap_or_default();
-                    (d.name.clone(), a.iter().enumerate().map(|(k, &x)| ((k + 1) as f64, x)).collect())
+                    let st = d.by_domain(&self.benches).remove(dom).unwrap_or_default();
+                    let pts = st
+                        .accept_at()
+                        .iter()
+                        .zip(&st.reached_at)
+                        .enumerate()
+                        .take_while(|(_, (_, &n))| n >= MIN_REACHED)
+                        .map(|(k, (&x, _))| ((k + 1) as f64, x))
+                        .collect();
+                    (d.name.clone(), pts)
                 })
                 .collect();
             panels.push(Panel { title: dom.name().to_string(), series });
@@ -341,7 +363,7 @@ impl Report {
         }
         md += &format!("\n## τ (tokens committed per round, bonus included)\n\n{}\n", self.tau_md());
         md += &format!(
-            "## Conditional acceptance per position\n\n{}\n![acceptance](acceptance.svg)\n\n",
+            "## Conditional acceptance per position\n\n{}\nBlank: reached by fewer than {MIN_REACHED} rounds.\n\n![acceptance](acceptance.svg)\n\n",
             self.accept_md()
         );
         let cal = self.calibration_md();
