@@ -280,6 +280,38 @@ impl StopFilter {
     }
 }
 
+/// One answer's tokens to text: incremental detokenization, stop sequences held back.
+struct Detok<'a> {
+    dec: StreamDecoder<'a>,
+    stops: StopFilter,
+}
+
+impl<'a> Detok<'a> {
+    fn new(tok: &'a dspark_tokenizer::Tokenizer, stops: &[String]) -> Self {
+        Self {
+            dec: StreamDecoder::new(tok),
+            stops: StopFilter { stops: stops.to_vec(), text: String::new(), emitted: 0 },
+        }
+    }
+
+    /// Adds tokens; returns the text safe to emit and whether a stop sequence was reached.
+    fn push(&mut self, tokens: &[u32]) -> (String, bool) {
+        let (mut out, mut hit) = (String::new(), false);
+        for &t in tokens {
+            if let Ok(Some(p)) = self.dec.push(t) {
+                let (e, h) = self.stops.push(&p);
+                out += &e;
+                hit |= h;
+            }
+        }
+        (out, hit)
+    }
+
+    fn flush(&mut self) -> String {
+        self.stops.flush()
+    }
+}
+
 struct Ids {
     id: String,
     prompt_tokens: usize,
@@ -404,9 +436,7 @@ async fn complete(
     ids: Ids,
     mut clock: Clock,
 ) -> Response {
-    let model = &s.engine.target;
-    let mut dec = StreamDecoder::new(&model.tokenizer);
-    let mut stops = StopFilter { stops: st.stop.clone(), text: String::new(), emitted: 0 };
+    let mut text = Detok::new(&s.engine.target.tokenizer, &st.stop);
     let mut out = String::new();
     let mut count = 0;
     let (finish, usage) = loop {
@@ -414,20 +444,14 @@ async fn complete(
             Some(Event::Tokens(ts)) => {
                 clock.tokens(&s.metrics, ts.len());
                 count += ts.len();
-                let mut hit = false;
-                for t in ts {
-                    if let Ok(Some(p)) = dec.push(t) {
-                        let (e, h) = stops.push(&p);
-                        out += &e;
-                        hit |= h;
-                    }
-                }
+                let (piece, hit) = text.push(&ts);
+                out += &piece;
                 if hit {
                     break ("stop", None);
                 }
             }
             Some(Event::Done { finish, usage }) => {
-                out += &stops.flush();
+                out += &text.flush();
                 break (finish_reason(finish), Some(usage));
             }
             Some(Event::Error(e)) => {
@@ -496,8 +520,7 @@ fn stream(
     let (tx, out) = mpsc::channel::<SseEvent>(64);
     tokio::spawn(async move {
         let model = s.engine.target.clone();
-        let mut dec = StreamDecoder::new(&model.tokenizer);
-        let mut stops = StopFilter { stops: st.stop.clone(), text: String::new(), emitted: 0 };
+        let mut text = Detok::new(&model.tokenizer, &st.stop);
         let data = |v: Value| SseEvent::default().data(v.to_string());
         let first = if kind == Kind::Chat {
             ids.chunk(kind, Some(""), true, None)
@@ -521,14 +544,7 @@ fn stream(
                 Some(Event::Tokens(ts)) => {
                     clock.tokens(&s.metrics, ts.len());
                     count += ts.len();
-                    let (mut piece, mut hit) = (String::new(), false);
-                    for t in ts {
-                        if let Ok(Some(p)) = dec.push(t) {
-                            let (e, h) = stops.push(&p);
-                            piece += &e;
-                            hit |= h;
-                        }
-                    }
+                    let (piece, hit) = text.push(&ts);
                     if !piece.is_empty()
                         && tx.send(data(ids.chunk(kind, Some(&piece), false, None))).await.is_err()
                     {
@@ -540,7 +556,7 @@ fn stream(
                     }
                 }
                 Some(Event::Done { finish, usage }) => {
-                    let rest = stops.flush();
+                    let rest = text.flush();
                     if !rest.is_empty() {
                         let _ = tx.send(data(ids.chunk(kind, Some(&rest), false, None))).await;
                     }
@@ -579,4 +595,40 @@ fn stream(
         out.recv().await.map(|e| (Ok::<_, Infallible>(e), out))
     });
     Sse::new(events).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StopFilter;
+
+    fn run(pieces: &[&str], stops: &[&str]) -> (Vec<String>, bool) {
+        let mut f = StopFilter {
+            stops: stops.iter().map(|s| s.to_string()).collect(),
+            text: String::new(),
+            emitted: 0,
+        };
+        let mut out = Vec::new();
+        for p in pieces {
+            let (e, hit) = f.push(p);
+            out.push(e);
+            if hit {
+                return (out, true);
+            }
+        }
+        out.push(f.flush());
+        (out, false)
+    }
+
+    #[test]
+    fn stop_sequences_are_held_back_and_never_emitted() {
+        let (out, hit) = run(&["Hel", "lo wo", "rld ST", "OP more"], &["STOP"]);
+        assert!(hit);
+        assert_eq!(out.concat(), "Hello world ");
+        assert!(out.iter().all(|p| !p.contains('S')), "{out:?}: a stop prefix was streamed");
+        let (out, hit) = run(&["no ", "stop ", "here é"], &["STOP", "xyz"]);
+        assert!(!hit);
+        assert_eq!(out.concat(), "no stop here é");
+        let (out, _) = run(&["abc"], &[]);
+        assert_eq!(out[0], "abc", "without stops nothing is held back");
+    }
 }
