@@ -209,8 +209,13 @@ pub struct ServeArgs {
 pub fn run_serve(a: ServeArgs) -> Result<()> {
     let target = Arc::new(a.model.load()?);
     let name = a.model.name();
-    let policy: Policy = a.policy.parse()?;
+    let mut policy: Policy = a.policy.parse()?;
     let drafter = if policy.drafts() { a.engine.drafter.load(&target, &name)? } else { None };
+    if drafter.is_none() && policy.drafts() && a.engine.drafter.drafter == "auto" {
+        // The default command should serve any model; speculation needs a drafter for it.
+        eprintln!("no drafter is shipped for {name}: serving with --policy plain (pass --drafter dspark:DIR to speculate)");
+        policy = Policy::Plain;
+    }
     let cost = a.engine.cost_table(&target, &name, &drafter)?;
     let engine = a.engine.spawn(policy, target, &drafter, cost)?;
     let drafter = drafter.map(|(_, n)| n);
