@@ -444,14 +444,7 @@ impl Worker {
     fn survival(&self, s: &Seq, p: &Proposal) -> Vec<f32> {
         match &p.confidence {
             Some(c) if self.config.online_calibration => self.calib.survival(s.req.tag.as_deref(), c),
-            Some(c) => c
-                .iter()
-                .scan(1f32, |a, &x| {
-                    *a *= x;
-                    Some(*a)
-                })
-                .collect(),
-            None => vec![1.0; p.len()],
+            _ => p.survival().unwrap_or_else(|| vec![1.0; p.len()]),
         }
     }
 

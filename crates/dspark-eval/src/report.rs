@@ -122,6 +122,14 @@ impl Report {
         }
     }
 
+    /// The domains of the benchmarks, each once, in order.
+    fn domains(&self) -> Vec<Domain> {
+        let mut v: Vec<Domain> = self.benches.iter().map(|b| b.domain).collect();
+        v.sort();
+        v.dedup();
+        v
+    }
+
     pub fn plain_tok_s(&self) -> f64 {
         let (t, s) = self.plain.iter().fold((0, 0.0), |(a, b), &(t, s)| (a + t, b + s));
         if s > 0.0 {
@@ -178,13 +186,7 @@ impl Report {
         );
         s += &"---|".repeat(g);
         s += "\n";
-        let domains: Vec<Domain> = {
-            let mut v: Vec<Domain> = self.benches.iter().map(|b| b.domain).collect();
-            v.sort();
-            v.dedup();
-            v
-        };
-        for dom in domains {
+        for dom in self.domains() {
             for d in &self.drafters {
                 let st = d.by_domain(&self.benches).remove(&dom).unwrap_or_default();
                 let a = st.accept_at();
@@ -259,16 +261,12 @@ impl Report {
         for d in &self.drafters {
             let tau: serde_json::Map<String, Value> =
                 self.benches.iter().enumerate().map(|(b, bi)| (bi.name.clone(), json!(d.tau(b)))).collect();
-            let acc: serde_json::Map<String, Value> = d
-                .by_domain(&self.benches)
-                .iter()
-                .map(|(k, s)| (k.name().to_string(), json!(s.accept_at())))
-                .collect();
-            let reached: serde_json::Map<String, Value> = d
-                .by_domain(&self.benches)
-                .iter()
-                .map(|(k, s)| (k.name().to_string(), json!(s.reached_at)))
-                .collect();
+            let by_domain = d.by_domain(&self.benches);
+            let per_domain = |f: &dyn Fn(&SpecStats) -> Value| -> serde_json::Map<String, Value> {
+                by_domain.iter().map(|(k, s)| (k.name().to_string(), f(s))).collect()
+            };
+            let acc = per_domain(&|s| json!(s.accept_at()));
+            let reached = per_domain(&|s| json!(s.reached_at));
             let ece = d.ece().map(|(w, r)| json!({"shipped": w, "raw": r}));
             let sweep: serde_json::Map<String, Value> =
                 d.sweep.iter().map(|(g, s)| (g.to_string(), json!(s.tau()))).collect();
@@ -301,13 +299,7 @@ impl Report {
             serde_json::to_string_pretty(&self.to_json(command, target))? + "\n",
         )?;
         let mut panels = Vec::new();
-        let doms: Vec<Domain> = {
-            let mut v: Vec<Domain> = self.benches.iter().map(|b| b.domain).collect();
-            v.sort();
-            v.dedup();
-            v
-        };
-        for dom in &doms {
+        for dom in &self.domains() {
             let series = self
                 .drafters
                 .iter()

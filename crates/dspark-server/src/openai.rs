@@ -69,7 +69,7 @@ pub struct Message {
     pub content: Option<Content>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum OneOrMany {
     One(String),
@@ -195,11 +195,8 @@ impl Common {
                 return Err(ApiError::invalid(format!("only n = 1 is supported (got {n})"), Some("n")));
             }
         }
-        let stop = self.stop.as_ref().map(|s| match s {
-            OneOrMany::One(x) => vec![x.clone()],
-            OneOrMany::Many(v) => v.clone(),
-        });
-        let stop: Vec<String> = stop.unwrap_or_default().into_iter().filter(|s| !s.is_empty()).collect();
+        let stop = self.stop.clone().map(OneOrMany::into_vec).unwrap_or_default();
+        let stop: Vec<String> = stop.into_iter().filter(|s| !s.is_empty()).collect();
         if stop.len() > 4 {
             return Err(ApiError::invalid("at most 4 stop sequences are allowed", Some("stop")));
         }

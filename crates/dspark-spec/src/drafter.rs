@@ -43,16 +43,25 @@ impl Proposal {
         self.tokens.is_empty()
     }
 
+    /// Predicted prefix survival `∏_{i≤k} c_i` of each draft, when the drafter gives
+    /// confidences.
+    pub fn survival(&self) -> Option<Vec<f32>> {
+        let mut a = 1f32;
+        self.confidence.as_ref().map(|c| {
+            c.iter()
+                .map(|&x| {
+                    a *= x;
+                    a
+                })
+                .collect()
+        })
+    }
+
     /// Keeps the longest prefix whose survival `∏ confidence` is at least `threshold` (all of it
     /// when the drafter gives no confidences).
     pub fn truncate_below(&mut self, threshold: f32) {
-        let Some(c) = &self.confidence else { return };
-        let mut survival = 1.0;
-        let keep = c.iter().take_while(|&&x| {
-            survival *= x;
-            survival >= threshold
-        });
-        let keep = keep.count();
+        let Some(a) = self.survival() else { return };
+        let keep = a.iter().take_while(|&&x| x >= threshold).count();
         self.tokens.truncate(keep);
         self.dists.truncate(keep);
         if let Some(c) = self.confidence.as_mut() {
