@@ -221,6 +221,28 @@ unsafe fn store<const R: usize>(out: *mut f32, ldo: usize, n: usize, r0: usize, 
     }
 }
 
+/// Asks for the weights a fixed distance ahead of group `gi` (global group index): each thread
+/// streams its rows from memory once per token, and with the kernel's arithmetic between loads
+/// the hardware prefetcher alone keeps too few lines in flight.
+#[inline(always)]
+unsafe fn prefetch_group<F: Fmt>(w: &PackedMatrix, gi: usize) {
+    let (qs_bytes, qh_bytes) = match F::SCALES {
+        ScaleKind::K6 => (128, 64),
+        _ if F::BYTES => (256, 0),
+        _ => (128, 32 * F::PLANES),
+    };
+    let d = prefetch_distance();
+    let p = w.qs.as_ptr().wrapping_add(gi * qs_bytes + d);
+    for l in (0..qs_bytes).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(l) as *const i8);
+    }
+    if qh_bytes > 0 {
+        _mm_prefetch::<_MM_HINT_T0>(
+            w.qh.as_ptr().wrapping_add(gi * qh_bytes + d * qh_bytes / qs_bytes) as *const i8
+        );
+    }
+}
+
 /// Dot products of weight row `n` with activation rows `r0..r0 + R`. Blocks go in groups of
 /// eight: one conversion gives the eight weight scales, one multiply the eight combined scales
 /// of a row, one FMA the offset terms; then each block costs an unpack plus, per row, an
@@ -238,6 +260,7 @@ unsafe fn tile<F: Fmt, const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r
     let mut hi = [[0f32; 8]; R];
     let base = n * nbp;
     for g in (0..nbp).step_by(8) {
+        prefetch_group::<F>(w, (base + g) / 8);
         let (dlo, dhi, mw) = group_scales::<F>(w, (base + g) / 8);
         for r in 0..R {
             let xo = (r0 + r) * nbp + g;
@@ -289,6 +312,7 @@ unsafe fn tile_k<F: Fmt, const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows,
     let base = n * nbp;
     for (t, g) in (0..nbp).step_by(8).enumerate() {
         let gi = (base + g) / 8;
+        prefetch_group::<F>(w, gi);
         let mut isum = [_mm256_setzero_si256(); R];
         // The eight blocks' scales as i16, low halves in the low lane and high halves in the
         // high lane (equal for Q4_K); block j's pair is then one byte shuffle away.
@@ -351,6 +375,12 @@ fn avx512_vnni() -> bool {
     })
 }
 
+pub static PREFETCH: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(2048);
+#[inline(always)]
+fn prefetch_distance() -> usize {
+    PREFETCH.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Folds a super-block's 16 integer lanes to the 8 of the AVX2 tile (same sums) and adds them,
 /// scaled, to the row's float accumulator.
 #[inline(always)]
@@ -364,6 +394,31 @@ unsafe fn range_q4k_512(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out:
     row_tiles!(w, x, n0, n1, out, ldo, tile_q4k_512);
 }
 
+/// Runs `$body` (one super-block's integer sums per row, and its float bookkeeping) over the
+/// super-blocks of a row with the even ones into `acc0` and the odd ones into `acc1`: the same
+/// two chains as `tile_k`, unrolled so both stay in registers instead of an array indexed at run
+/// time (which the compiler keeps on the stack).
+macro_rules! two_chains {
+    ($nbp:expr, $g:ident, $acc:ident, $acc0:ident, $acc1:ident, $body:block) => {{
+        let mut $g = 0;
+        while $g < $nbp {
+            {
+                let $acc = &mut $acc0;
+                $body
+            }
+            $g += 8;
+            if $g >= $nbp {
+                break;
+            }
+            {
+                let $acc = &mut $acc1;
+                $body
+            }
+            $g += 8;
+        }
+    }};
+}
+
 /// `tile_k` for Q4_K with two blocks per 512-bit register: the 32 bytes of a block pair give
 /// both blocks' values (low and high nibbles), `maddubs` + `dpwssd` multiply, widen, scale by
 /// each block's small scale and accumulate in one step each.
@@ -371,28 +426,32 @@ unsafe fn range_q4k_512(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out:
 unsafe fn tile_q4k_512<const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r0: usize) -> [f32; R] {
     let nbp = w.nbp;
     let kp = nbp * QK;
-    let mut acc = [[_mm256_setzero_ps(); R]; 2];
+    let mut acc0 = [_mm256_setzero_ps(); R];
+    let mut acc1 = [_mm256_setzero_ps(); R];
     let mut macc = [_mm256_setzero_ps(); R];
     let base = n * nbp;
     let m4 = _mm256_set1_epi8(0x0F);
-    for (t, g) in (0..nbp).step_by(8).enumerate() {
+    // i16 lanes 0–15 take block 2p's scale, lanes 16–31 block 2p + 1's.
+    let idx: [__m512i; 4] = std::array::from_fn(|p| {
+        _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_set1_epi16((2 * p) as i16)),
+            _mm256_set1_epi16((2 * p + 1) as i16),
+            1,
+        )
+    });
+    two_chains!(nbp, g, acc, acc0, acc1, {
         let gi = (base + g) / 8;
         let mut isum = [_mm512_setzero_si512(); R];
         let sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(
             w.sc.as_ptr().add(gi * 8) as *const __m128i
         )));
+        prefetch_group::<Q4K>(w, gi);
         for p in 0..4 {
             let xq = _mm256_loadu_si256(w.qs.as_ptr().add((base + g) / 2 * 32 + p * 32) as *const __m256i);
             let lo = _mm256_and_si256(xq, m4);
             let hi = _mm256_and_si256(_mm256_srli_epi16(xq, 4), m4);
             let q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            // i16 lanes 0–15 take block 2p's scale, lanes 16–31 block 2p + 1's.
-            let idx = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_set1_epi16((2 * p) as i16)),
-                _mm256_set1_epi16((2 * p + 1) as i16),
-                1,
-            );
-            let scv = _mm512_permutexvar_epi16(idx, sc16);
+            let scv = _mm512_permutexvar_epi16(idx[p], sc16);
             for r in 0..R {
                 let a = _mm512_loadu_si512(x.qs.as_ptr().add((r0 + r) * kp + (g + 2 * p) * QK) as *const _);
                 isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(q, a), scv);
@@ -404,14 +463,14 @@ unsafe fn tile_q4k_512<const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r
         for r in 0..R {
             let xo = (r0 + r) * nbp + g;
             let dx = *x.d.get_unchecked(xo);
-            acc[t & 1][r] = add_super_block(acc[t & 1][r], isum[r], w.gd[gi] * dx);
+            acc[r] = add_super_block(acc[r], isum[r], w.gd[gi] * dx);
             let bs = _mm256_loadu_ps(x.bsum.as_ptr().add(xo));
             macc[r] = _mm256_fmadd_ps(_mm256_mul_ps(mnf, bs), _mm256_set1_ps(-w.gmin[gi] * dx), macc[r]);
         }
-    }
+    });
     let mut out = [0f32; R];
     for r in 0..R {
-        out[r] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + hsum(macc[r]);
+        out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + hsum(macc[r]);
     }
     out
 }
@@ -429,17 +488,29 @@ unsafe fn range_q6k_512(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out:
 unsafe fn tile_q6k_512<const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r0: usize) -> [f32; R] {
     let nbp = w.nbp;
     let kp = nbp * QK;
-    let mut acc = [[_mm256_setzero_ps(); R]; 2];
+    let mut acc0 = [_mm256_setzero_ps(); R];
+    let mut acc1 = [_mm256_setzero_ps(); R];
     let base = n * nbp;
     let m4 = _mm512_set1_epi8(0x0F);
     let m30 = _mm512_set1_epi8(0x30);
-    for (t, g) in (0..nbp).step_by(8).enumerate() {
+    // For blocks j, j + 1 (j = 0, 2, 4, 6): i16 lanes 0–7 / 8–15 take block j's low / high-half
+    // scale, lanes 16–23 / 24–31 block j + 1's.
+    let idx: [__m512i; 4] = std::array::from_fn(|h| {
+        let j16 = 2 * h as i16;
+        _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16(8 + j16), _mm_set1_epi16(j16))),
+            _mm256_set_m128i(_mm_set1_epi16(9 + j16), _mm_set1_epi16(1 + j16)),
+            1,
+        )
+    });
+    two_chains!(nbp, g, acc, acc0, acc1, {
         let gi = (base + g) / 8;
         let mut isum = [_mm512_setzero_si512(); R];
         // i16 lanes 0–7: low-half scales of the eight blocks, 8–15: high-half scales.
         let lo = _mm_cvtepi8_epi16(_mm_loadl_epi64(w.sc.as_ptr().add(gi * 8) as *const __m128i));
         let hi = _mm_cvtepi8_epi16(_mm_loadl_epi64(w.mn.as_ptr().add(gi * 8) as *const __m128i));
         let sc16 = _mm512_castsi256_si512(_mm256_set_m128i(hi, lo));
+        prefetch_group::<Q6K>(w, gi);
         for c in 0..2 {
             let ql = _mm512_loadu_si512(w.qs.as_ptr().add(gi * 128 + 64 * c) as *const _);
             let qh = _mm256_loadu_si256(w.qh.as_ptr().add(gi * 64 + 32 * c) as *const __m256i);
@@ -459,13 +530,7 @@ unsafe fn tile_q6k_512<const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r
                 let q = _mm512_sub_epi8(v, _mm512_set1_epi8(32));
                 let wa = _mm512_abs_epi8(q);
                 let neg = _mm512_movepi8_mask(q);
-                let j16 = j as i16;
-                let idx = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16(8 + j16), _mm_set1_epi16(j16))),
-                    _mm256_set_m128i(_mm_set1_epi16(9 + j16), _mm_set1_epi16(1 + j16)),
-                    1,
-                );
-                let scv = _mm512_permutexvar_epi16(idx, sc16);
+                let scv = _mm512_permutexvar_epi16(idx[j / 2], sc16);
                 for r in 0..R {
                     let a = _mm512_loadu_si512(x.qs.as_ptr().add((r0 + r) * kp + (g + j) * QK) as *const _);
                     let a = _mm512_mask_sub_epi8(a, neg, _mm512_setzero_si512(), a);
@@ -476,12 +541,57 @@ unsafe fn tile_q6k_512<const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r
         for r in 0..R {
             let xo = (r0 + r) * nbp + g;
             let dx = *x.d.get_unchecked(xo);
-            acc[t & 1][r] = add_super_block(acc[t & 1][r], isum[r], w.gd[gi] * dx);
+            acc[r] = add_super_block(acc[r], isum[r], w.gd[gi] * dx);
         }
-    }
+    });
     let mut out = [0f32; R];
     for r in 0..R {
-        out[r] = hsum(_mm256_add_ps(acc[0][r], acc[1][r]));
+        out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+
+    /// The 512-bit K-quant tiles must give exactly the AVX2 tile's floats (same integer sums,
+    /// same float chains), or a machine's results would depend on which path it took.
+    #[test]
+    fn avx512_k_quant_tiles_equal_the_avx2_tiles_bit_for_bit() {
+        if !crate::avx2_available() || !avx512_vnni() {
+            eprintln!("skipped: this CPU has no AVX-512 VNNI");
+            return;
+        }
+        // k = 2304: nine super-blocks per row, so both chains and an odd tail run.
+        let (n, k) = (24, 2304);
+        let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
+        for fmt in [GgmlDType::Q4K, GgmlDType::Q6K] {
+            let q = QTensor::quantize(&w, fmt).unwrap();
+            let p = PackedMatrix::from_gguf(QuantFormat::from_ggml(fmt).unwrap(), &q.data().unwrap(), n, k);
+            for rows in [1, 2, 3, 4, 7] {
+                let x: Vec<f32> = Tensor::randn(0f32, 1.0, (rows, k), &Device::Cpu)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                let xq = Q8Rows::quantize(&x, rows, k, p.nbp, 8);
+                let (mut a, mut b) = (vec![0f32; rows * n], vec![0f32; rows * n]);
+                // SAFETY: AVX2 and AVX-512 VNNI were detected; outputs have rows × n entries.
+                unsafe {
+                    if fmt == GgmlDType::Q4K {
+                        range_q4k_512(&p, &xq, 0, n, a.as_mut_ptr(), n);
+                        range::<Q4K>(&p, &xq, 0, n, b.as_mut_ptr(), n);
+                    } else {
+                        range_q6k_512(&p, &xq, 0, n, a.as_mut_ptr(), n);
+                        range::<Q6K>(&p, &xq, 0, n, b.as_mut_ptr(), n);
+                    }
+                }
+                assert_eq!(a, b, "{fmt:?} rows {rows}");
+            }
+        }
+    }
 }

@@ -8,15 +8,19 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+#[doc(hidden)]
+pub use avx2::PREFETCH;
+
 mod format;
 mod linear;
 mod packed;
 
 pub use format::{decode_block, dequantize_row, Q8Rows, QuantFormat, QK};
 pub use linear::{KernelChoice, QLinear};
-pub use packed::{PackedMatrix, ScaleKind};
-
 use rayon::prelude::*;
+
+pub use packed::{PackedMatrix, ScaleKind, WeightBuf, HUGE_PAGES};
 
 /// Rows handled per kernel call; larger batches are split into chunks of this many rows.
 pub const MAX_BATCH_ROWS: usize = 32;

@@ -30,11 +30,11 @@ pub struct PackedMatrix {
     pub nbp: usize,
     pub scales: ScaleKind,
     /// Per block: 16 bytes of nibbles, or 32 signed bytes (Q8_0).
-    pub qs: Vec<u8>,
+    pub qs: WeightBuf,
     /// Per block, the bits above the nibble: Q5, one u32 bit plane (bit i → value i); Q6_K,
     /// 8 bytes where byte l holds the 2-bit fields of values l, l + 8, l + 16, l + 24 at bits
     /// 0–1, 2–3, 4–5, 6–7 (one 64-bit shift per quarter puts them in place).
-    pub qh: Vec<u8>,
+    pub qh: WeightBuf,
     pub planes: usize,
     /// `F16`: per block `d` (and `m`) as f16 bits.
     pub d16: Vec<u16>,
@@ -45,6 +45,75 @@ pub struct PackedMatrix {
     /// `K4`: per block scale and min. `K6`: per block scale of the low and high half (as i8).
     pub sc: Vec<u8>,
     pub mn: Vec<u8>,
+}
+
+/// Zeroed bytes, aligned to 2 MiB when large, with the kernel asked to back them with huge pages.
+/// Decoding streams every weight once per token; with 4 KiB pages that is a TLB miss every 64
+/// cache lines and a stop for the hardware prefetcher at every page boundary.
+pub struct WeightBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: a uniquely owned heap buffer of plain bytes.
+unsafe impl Send for WeightBuf {}
+unsafe impl Sync for WeightBuf {}
+
+/// Whether new large weight buffers ask for huge pages (benchmarks switch it off to compare).
+#[doc(hidden)]
+pub static HUGE_PAGES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+impl WeightBuf {
+    const HUGE: usize = 2 << 20;
+
+    pub fn zeroed(len: usize) -> Self {
+        let huge = len >= Self::HUGE / 2 && HUGE_PAGES.load(std::sync::atomic::Ordering::Relaxed);
+        let (size, align) =
+            if huge { (len.next_multiple_of(Self::HUGE), Self::HUGE) } else { (len.max(1), 64) };
+        let layout = std::alloc::Layout::from_size_align(size, align).expect("weight buffer layout");
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { std::alloc::alloc(layout) };
+        let Some(ptr) = std::ptr::NonNull::new(raw) else { std::alloc::handle_alloc_error(layout) };
+        #[cfg(target_os = "linux")]
+        if huge {
+            // Advice first, zeroing after: pages appear on first write, so they come huge.
+            // Best effort: a refusal leaves 4 KiB pages.
+            // SAFETY: the range is exactly this allocation; the advice changes no contents.
+            unsafe { libc::madvise(raw as *mut libc::c_void, size, libc::MADV_HUGEPAGE) };
+        }
+        // SAFETY: `raw` points to `size` writable bytes.
+        unsafe { raw.write_bytes(0, size) };
+        Self { ptr, len, layout }
+    }
+
+    pub fn from_slice(v: &[u8]) -> Self {
+        let mut b = Self::zeroed(v.len());
+        b.copy_from_slice(v);
+        b
+    }
+}
+
+impl Drop for WeightBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+impl std::ops::Deref for WeightBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `len` initialised bytes live at `ptr` for as long as `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for WeightBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`, and `&mut self` makes the access unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
 }
 
 fn f16_bits(b: &[u8], o: usize) -> u16 {
@@ -105,8 +174,8 @@ impl PackedMatrix {
             nb,
             nbp,
             scales,
-            qs: vec![0; blocks * if Self::bytes(format) { 32 } else { 16 }],
-            qh: vec![0; blocks * planes * 4],
+            qs: WeightBuf::zeroed(blocks * if Self::bytes(format) { 32 } else { 16 }),
+            qh: WeightBuf::zeroed(blocks * planes * 4),
             planes,
             d16: if k_quant { Vec::new() } else { vec![0; blocks] },
             m16: if format.has_min() && !k_quant { vec![0; blocks] } else { Vec::new() },
@@ -146,8 +215,8 @@ impl PackedMatrix {
             nb: self.nb,
             nbp: self.nbp,
             scales: self.scales,
-            qs: pick(&self.qs, n, ids),
-            qh: pick(&self.qh, n, ids),
+            qs: WeightBuf::from_slice(&pick(&self.qs, n, ids)),
+            qh: WeightBuf::from_slice(&pick(&self.qh, n, ids)),
             planes: self.planes,
             d16: pick(&self.d16, n, ids),
             m16: pick(&self.m16, n, ids),
