@@ -2,12 +2,16 @@
 # The shipped SmolLM2-135M drafters, end to end, under one budget: the same regenerated data, γ = 7,
 # one draft layer, an 8 192-token draft vocabulary, the same wall time per method.
 # Usage: scripts/train_smollm2_drafters.sh [SAMPLES] [MINUTES_PER_METHOD]
-# Work files go to $DSPARK_HOME/train (default ~/.cache/dspark/train); checkpoints to drafters/.
+# Work files go to $DSPARK_HOME/train (default ~/.cache/dspark/train); checkpoints to $DEST
+# (default drafters/). METHODS (default "dspark-markov dspark-rnn dflash eagle3") picks a subset,
+# e.g. for a data-scaling run: METHODS="dspark-markov dflash" DEST=/tmp/scaling scripts/... 2400 15
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SAMPLES=${1:-1000}
 MINUTES=${2:-18}
 W=${DSPARK_HOME:-$HOME/.cache/dspark}/train
+DEST=${DEST:-drafters}
+METHODS=${METHODS:-dspark-markov dspark-rnn dflash eagle3}
 mkdir -p "$W"
 cargo build --release
 D=target/release/dspark
@@ -21,7 +25,7 @@ $D data features --data "$W/smollm2-regen.jsonl" --out "$W/smollm2-features" --m
 # 3. Steps per method: measured step time × budget.
 common=(--data "$W/smollm2-regen.jsonl" --features "$W/smollm2-features" --n "$SAMPLES" --block 7 --layers 1
         --draft-vocab 8192 --vocab-from "$W/smollm2-regen.jsonl" --markov-rank 32 --max-len 512 --batch 4 --anchors 16)
-for m in dspark-markov dspark-rnn dflash eagle3; do
+for m in $METHODS; do
   case $m in
     dspark-markov) args=(--method dspark --head markov) ;;
     dspark-rnn) args=(--method dspark --head rnn) ;;
@@ -35,12 +39,13 @@ for m in dspark-markov dspark-rnn dflash eagle3; do
   echo "$m: $step_s s/step → $steps steps"
   out="$W/run-$m"; rm -rf "$out"
   $D train "${args[@]}" "${common[@]}" --out "$out" --steps "$steps" --checkpoint-every 50
-  mkdir -p "drafters/smollm2-135m-$m"
-  cp "$out/config.json" "$out/model.safetensors" "$out/train_log.jsonl" "drafters/smollm2-135m-$m/"
+  mkdir -p "$DEST/smollm2-135m-$m"
+  cp "$out/config.json" "$out/model.safetensors" "$out/train_log.jsonl" "$DEST/smollm2-135m-$m/"
 done
 
 # 4. Calibrate the DSpark drafters on held-out prompts (never regenerated: index ≥ 12000).
-for m in dspark-markov dspark-rnn; do
-  $D calibrate --drafter "drafters/smollm2-135m-$m" --prompts "$W/prompts.jsonl" --skip 12000 --n 40 --max-tokens 128 \
-    | tee "drafters/smollm2-135m-$m/calibration.txt"
+for m in $METHODS; do
+  [[ $m == dspark-* ]] || continue
+  $D calibrate --drafter "$DEST/smollm2-135m-$m" --prompts "$W/prompts.jsonl" --skip 12000 --n 40 --max-tokens 128 \
+    | tee "$DEST/smollm2-135m-$m/calibration.txt"
 done
