@@ -298,6 +298,30 @@ unsafe fn tile<F: Fmt, const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r
     out
 }
 
+/// Runs `$body` (one super-block's integer sums per row, and its float bookkeeping) over the
+/// super-blocks of a row with the even ones into `acc0` and the odd ones into `acc1`, unrolled so
+/// both chains stay in registers (an array indexed at run time is kept on the stack).
+macro_rules! two_chains {
+    ($nbp:expr, $g:ident, $acc:ident, $acc0:ident, $acc1:ident, $body:block) => {{
+        let mut $g = 0;
+        while $g < $nbp {
+            {
+                let $acc = &mut $acc0;
+                $body
+            }
+            $g += 8;
+            if $g >= $nbp {
+                break;
+            }
+            {
+                let $acc = &mut $acc1;
+                $body
+            }
+            $g += 8;
+        }
+    }};
+}
+
 /// K-quant tile: activations share one scale per 256-value super-block, so a whole super-block
 /// is summed in integers — each block's small scale enters through the `madd` that widens the
 /// byte products (llama.cpp's Q8_K scheme) — and converted to float once. Per row and block this
@@ -307,10 +331,11 @@ unsafe fn tile<F: Fmt, const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r
 unsafe fn tile_k<F: Fmt, const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r0: usize) -> [f32; R] {
     let nbp = w.nbp;
     let kp = nbp * QK;
-    let mut acc = [[_mm256_setzero_ps(); R]; 2];
+    let mut acc0 = [_mm256_setzero_ps(); R];
+    let mut acc1 = [_mm256_setzero_ps(); R];
     let mut macc = [_mm256_setzero_ps(); R];
     let base = n * nbp;
-    for (t, g) in (0..nbp).step_by(8).enumerate() {
+    two_chains!(nbp, g, acc, acc0, acc1, {
         let gi = (base + g) / 8;
         prefetch_group::<F>(w, gi);
         let mut isum = [_mm256_setzero_si256(); R];
@@ -347,18 +372,16 @@ unsafe fn tile_k<F: Fmt, const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows,
         for r in 0..R {
             let xo = (r0 + r) * nbp + g;
             let dx = *x.d.get_unchecked(xo);
-            let c = t & 1;
-            acc[c][r] =
-                _mm256_fmadd_ps(_mm256_set1_ps(w.gd[gi] * dx), _mm256_cvtepi32_ps(isum[r]), acc[c][r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(w.gd[gi] * dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);
             if F::SCALES == ScaleKind::K4 {
                 let bs = _mm256_loadu_ps(x.bsum.as_ptr().add(xo));
                 macc[r] = _mm256_fmadd_ps(_mm256_mul_ps(mnf, bs), _mm256_set1_ps(-w.gmin[gi] * dx), macc[r]);
             }
         }
-    }
+    });
     let mut out = [0f32; R];
     for r in 0..R {
-        out[r] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + hsum(macc[r]);
+        out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + hsum(macc[r]);
     }
     out
 }
@@ -392,31 +415,6 @@ unsafe fn add_super_block(acc: __m256, isum: __m512i, scale: f32) -> __m256 {
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
 unsafe fn range_q4k_512(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out: *mut f32, ldo: usize) {
     row_tiles!(w, x, n0, n1, out, ldo, tile_q4k_512);
-}
-
-/// Runs `$body` (one super-block's integer sums per row, and its float bookkeeping) over the
-/// super-blocks of a row with the even ones into `acc0` and the odd ones into `acc1`: the same
-/// two chains as `tile_k`, unrolled so both stay in registers instead of an array indexed at run
-/// time (which the compiler keeps on the stack).
-macro_rules! two_chains {
-    ($nbp:expr, $g:ident, $acc:ident, $acc0:ident, $acc1:ident, $body:block) => {{
-        let mut $g = 0;
-        while $g < $nbp {
-            {
-                let $acc = &mut $acc0;
-                $body
-            }
-            $g += 8;
-            if $g >= $nbp {
-                break;
-            }
-            {
-                let $acc = &mut $acc1;
-                $body
-            }
-            $g += 8;
-        }
-    }};
 }
 
 /// `tile_k` for Q4_K with two blocks per 512-bit register: the 32 bytes of a block pair give
