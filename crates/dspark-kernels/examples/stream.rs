@@ -54,7 +54,7 @@ fn main() {
                 dspark_kernels::PREFETCH.store(d, std::sync::atomic::Ordering::Relaxed);
                 let t0 = Instant::now();
                 for (_, _, _, m) in &mats {
-                    let x: Vec<f32> = (0..m.k).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
+                    let x = input(m.k);
                     let mut y = vec![0f32; m.n];
                     matmul(m, &x, 1, &mut y, true);
                 }
@@ -72,7 +72,7 @@ fn main() {
     for rep in 0..reps {
         let t0 = Instant::now();
         for (_, fmt, _, m) in &mats {
-            let x: Vec<f32> = (0..m.k).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
+            let x = input(m.k);
             let mut y = vec![0f32; m.n];
             let t = Instant::now();
             for _ in 0..inner {
@@ -97,4 +97,9 @@ fn main() {
             n as f64 / 1e6 / (reps - 1) as f64
         );
     }
+}
+
+/// A fixed activation row of width `k`.
+fn input(k: usize) -> Vec<f32> {
+    (0..k).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect()
 }

@@ -221,6 +221,15 @@ unsafe fn store<const R: usize>(out: *mut f32, ldo: usize, n: usize, r0: usize, 
     }
 }
 
+/// How far ahead `prefetch_group` reaches, in bytes of `qs`. A static rather than a constant so
+/// that the `stream` example can compare distances in one process.
+pub static PREFETCH: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(2048);
+
+#[inline(always)]
+fn prefetch_distance() -> usize {
+    PREFETCH.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Asks for the weights a fixed distance ahead of group `gi` (global group index): each thread
 /// streams its rows from memory once per token, and with the kernel's arithmetic between loads
 /// the hardware prefetcher alone keeps too few lines in flight.
@@ -260,8 +269,9 @@ unsafe fn tile<F: Fmt, const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r
     let mut hi = [[0f32; 8]; R];
     let base = n * nbp;
     for g in (0..nbp).step_by(8) {
-        prefetch_group::<F>(w, (base + g) / 8);
-        let (dlo, dhi, mw) = group_scales::<F>(w, (base + g) / 8);
+        let gi = (base + g) / 8;
+        prefetch_group::<F>(w, gi);
+        let (dlo, dhi, mw) = group_scales::<F>(w, gi);
         for r in 0..R {
             let xo = (r0 + r) * nbp + g;
             let xd = _mm256_loadu_ps(x.d.as_ptr().add(xo));
@@ -398,12 +408,6 @@ fn avx512_vnni() -> bool {
     })
 }
 
-pub static PREFETCH: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(2048);
-#[inline(always)]
-fn prefetch_distance() -> usize {
-    PREFETCH.load(std::sync::atomic::Ordering::Relaxed)
-}
-
 /// Folds a super-block's 16 integer lanes to the 8 of the AVX2 tile (same sums) and adds them,
 /// scaled, to the row's float accumulator.
 #[inline(always)]
@@ -439,11 +443,11 @@ unsafe fn tile_q4k_512<const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r
     });
     two_chains!(nbp, g, acc, acc0, acc1, {
         let gi = (base + g) / 8;
+        prefetch_group::<Q4K>(w, gi);
         let mut isum = [_mm512_setzero_si512(); R];
         let sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(
             w.sc.as_ptr().add(gi * 8) as *const __m128i
         )));
-        prefetch_group::<Q4K>(w, gi);
         for p in 0..4 {
             let xq = _mm256_loadu_si256(w.qs.as_ptr().add((base + g) / 2 * 32 + p * 32) as *const __m256i);
             let lo = _mm256_and_si256(xq, m4);
@@ -503,12 +507,12 @@ unsafe fn tile_q6k_512<const R: usize>(w: &PackedMatrix, n: usize, x: &Q8Rows, r
     });
     two_chains!(nbp, g, acc, acc0, acc1, {
         let gi = (base + g) / 8;
+        prefetch_group::<Q6K>(w, gi);
         let mut isum = [_mm512_setzero_si512(); R];
         // i16 lanes 0–7: low-half scales of the eight blocks, 8–15: high-half scales.
         let lo = _mm_cvtepi8_epi16(_mm_loadl_epi64(w.sc.as_ptr().add(gi * 8) as *const __m128i));
         let hi = _mm_cvtepi8_epi16(_mm_loadl_epi64(w.mn.as_ptr().add(gi * 8) as *const __m128i));
         let sc16 = _mm512_castsi256_si512(_mm256_set_m128i(hi, lo));
-        prefetch_group::<Q6K>(w, gi);
         for c in 0..2 {
             let ql = _mm512_loadu_si512(w.qs.as_ptr().add(gi * 128 + 64 * c) as *const _);
             let qh = _mm256_loadu_si256(w.qh.as_ptr().add(gi * 64 + 32 * c) as *const __m256i);

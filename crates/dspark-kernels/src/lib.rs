@@ -18,9 +18,9 @@ mod packed;
 
 pub use format::{decode_block, dequantize_row, Q8Rows, QuantFormat, QK};
 pub use linear::{KernelChoice, QLinear};
-use rayon::prelude::*;
-
 pub use packed::{PackedMatrix, ScaleKind, WeightBuf, HUGE_PAGES};
+
+use rayon::prelude::*;
 
 /// Rows handled per kernel call; larger batches are split into chunks of this many rows.
 pub const MAX_BATCH_ROWS: usize = 32;
