@@ -29,6 +29,9 @@ pub enum BenchCmd {
         /// Print the table as JSON.
         #[arg(long)]
         json: bool,
+        /// Also time the prefill of a prompt of this many tokens into an empty cache (0: skip).
+        #[arg(long, default_value_t = 512)]
+        prefill: usize,
     },
     /// Decode tokens/s over a set of prompts (greedy, chat template), the figure to compare with
     /// llama.cpp (`scripts/peer_llamacpp.py`) on the same GGUF and thread count.
@@ -88,7 +91,9 @@ pub enum BenchCmd {
 
 pub fn run(cmd: BenchCmd) -> Result<()> {
     match cmd {
-        BenchCmd::Forward { model, context, reps, json } => forward(&model, context, reps, json),
+        BenchCmd::Forward { model, context, reps, json, prefill } => {
+            forward(&model, context, reps, json, prefill)
+        }
         BenchCmd::Kernels { reps } => kernels(reps),
         BenchCmd::Draft { model, context, gammas, vocabs, layers, reps, json } => {
             draft(&model, context, &gammas, &vocabs, layers, reps, json)
@@ -105,14 +110,14 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn forward(m: &ModelArg, context: usize, reps: usize, json: bool) -> Result<()> {
+fn forward(m: &ModelArg, context: usize, reps: usize, json: bool, prefill: usize) -> Result<()> {
     let model = m.load()?;
-    let ks = [1usize, 2, 4, 8, 16, 32];
+    let ks = [1usize, 2, 4, 8, 16, 32, 64];
     let mut cache = model.new_cache(context + 64);
     // Any fixed tokens will do: cost does not depend on their values.
     let prompt: Vec<u32> = (0..context as u32).map(|i| 100 + i % 1000).collect();
     dspark_decode::prefill(&model, &mut cache, &prompt)?;
-    let block: Vec<u32> = (0..32u32).map(|i| 200 + i).collect();
+    let block: Vec<u32> = (0..64u32).map(|i| 200 + i).collect();
     let mut rows = Vec::new();
     for &k in &ks {
         let mut times = Vec::with_capacity(reps);
@@ -129,6 +134,22 @@ fn forward(m: &ModelArg, context: usize, reps: usize, json: bool) -> Result<()> 
         rows.push((k, median(times)));
     }
     let single = rows[0].1;
+    // Prefill: fresh tokens into an empty cache, through the same chunked path as generation.
+    let prefill_s = if prefill > 0 {
+        let prompt: Vec<u32> = (0..prefill as u32).map(|i| 300 + i % 5000).collect();
+        let mut times = Vec::new();
+        for r in 0..reps.min(3) + 1 {
+            let mut cache = model.new_cache(prefill);
+            let t = Instant::now();
+            dspark_decode::prefill(&model, &mut cache, &prompt)?;
+            if r > 0 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        Some(median(times))
+    } else {
+        None
+    };
     if json {
         let table: Vec<_> = rows
             .iter()
@@ -136,13 +157,25 @@ fn forward(m: &ModelArg, context: usize, reps: usize, json: bool) -> Result<()> 
             .collect();
         println!(
             "{}",
-            serde_json::json!({"model": m.model, "context": context, "threads": rayon_threads(), "forward": table})
+            serde_json::json!({"model": m.model, "context": context, "threads": rayon_threads(),
+                "kernels": dspark_kernels::kernel_path().name(), "cpu": cpu_summary(), "forward": table,
+                "prefill": prefill_s.map(|s| serde_json::json!({"tokens": prefill, "s": s, "tok_s": prefill as f64 / s}))})
         );
     } else {
         println!("model {}  context {context}  threads {}  (median of {reps})", m.model, rayon_threads());
-        println!("{:>4} {:>10} {:>10} {:>16}", "k", "ms", "tok/s", "vs k × single");
+        println!("cpu {}  kernels {}", cpu_summary(), dspark_kernels::kernel_path().name());
+        println!("{:>4} {:>10} {:>10} {:>12} {:>16}", "k", "ms", "tok/s", "vs single", "vs k × single");
         for (k, s) in rows {
-            println!("{k:>4} {:>10.2} {:>10.1} {:>15.2}×", s * 1e3, k as f64 / s, s / (k as f64 * single));
+            println!(
+                "{k:>4} {:>10.2} {:>10.1} {:>11.2}× {:>15.2}×",
+                s * 1e3,
+                k as f64 / s,
+                s / single,
+                s / (k as f64 * single)
+            );
+        }
+        if let Some(s) = prefill_s {
+            println!("prefill of {prefill} tokens: {:.2} s = {:.1} tok/s", s, prefill as f64 / s);
         }
     }
     Ok(())
@@ -298,11 +331,30 @@ fn draft(
     Ok(())
 }
 
+/// The CPU's model name and the instruction sets the kernels care about, for benchmark records.
+pub fn cpu_summary() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        info.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+            .unwrap_or_default()
+    };
+    let flags = field("flags");
+    let has: Vec<&str> = ["avx2", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8"]
+        .into_iter()
+        .filter(|f| flags.split_whitespace().any(|x| x == *f))
+        .collect();
+    format!("{} [{}]", field("model name"), has.join(" "))
+}
+
 fn rayon_threads() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
 
 fn kernels(reps: usize) -> Result<()> {
+    println!("cpu {}  kernels {}", cpu_summary(), dspark_kernels::kernel_path().name());
     let shapes = [(576usize, 1536usize), (1536, 576), (576, 49152), (1536, 8960)];
     let formats = [GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K];
     println!(

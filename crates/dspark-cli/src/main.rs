@@ -494,6 +494,10 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn main() {
+    if let Some(e) = dspark_kernels::kernel_env_error() {
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    }
     if let Err(e) = run(Cli::parse()) {
         eprintln!("error: {e:#}");
         std::process::exit(1);

@@ -33,6 +33,17 @@ impl QuantFormat {
         }
     }
 
+    /// What the kernels' stored unsigned integers exceed the signed ones by (`u = q + bias`).
+    pub fn bias(self) -> i32 {
+        match self {
+            Self::Q4_0 => 8,
+            Self::Q5_0 => 16,
+            Self::Q8_0 => 128,
+            Self::Q6K => 32,
+            _ => 0,
+        }
+    }
+
     /// Formats with an offset `m`: their integers are unsigned.
     pub fn has_min(self) -> bool {
         matches!(self, Self::Q4_1 | Self::Q5_1 | Self::Q4K)
@@ -116,74 +127,109 @@ pub fn dequantize_row(format: QuantFormat, row: &[u8], out: &mut [f32]) {
 
 /// Activations quantized to 8 bits, the partner of every weight format here. Each run of
 /// `group` consecutive 32-value blocks shares one scale: 1 for the legacy formats, 8 (256
-/// values, llama.cpp's Q8_K) for K-quants, whose kernel then sums a whole super-block in
-/// integers. Rows are padded with zero blocks to `nbp` blocks (a multiple of 8) to match the
-/// packed weights.
+/// values, llama.cpp's Q8_K) for K-quants. Rows are padded with zeros to `nbp` blocks (whole
+/// 256-value groups) and each group is stored in the weights' lane order
+/// ([`crate::packed::lane_pos`]), so a 64-byte load pairs with a 64-byte weight vector.
 pub struct Q8Rows {
     pub rows: usize,
     pub k: usize,
     /// Padded blocks per row.
     pub nbp: usize,
-    /// `rows × nbp × 32`.
+    /// `rows × nbp × 32`, lane-ordered per group.
     pub qs: Vec<i8>,
-    /// Per block (`rows × nbp`): the scale, `d·Σq` (the offset term of "_1" formats costs one
-    /// multiply per block), and `Σq` itself.
+    /// Per block (`rows × nbp`): the scale.
     pub d: Vec<f32>,
-    pub s: Vec<f32>,
-    pub bsum: Vec<f32>,
+    /// Per lane (`rows × nbp × 2`): its block's scale.
+    pub dl: Vec<f32>,
+    /// Per lane (`rows × nbp × 2`, 16 per group): the sum of its 16 integers, and that sum times
+    /// its block's scale (the offset term of "_1" formats).
+    pub hs: Vec<i32>,
+    pub xs: Vec<f32>,
 }
 
 impl Q8Rows {
     pub fn quantize(x: &[f32], rows: usize, k: usize, nbp: usize, group: usize) -> Self {
         use rayon::prelude::*;
         debug_assert_eq!(x.len(), rows * k);
-        debug_assert!(nbp * QK >= k && (k / QK).is_multiple_of(group));
+        debug_assert!(nbp * QK >= k && (k / QK).is_multiple_of(group) && nbp.is_multiple_of(8));
         let kp = nbp * QK;
         let mut qs = vec![0i8; rows * kp];
         let mut d = vec![0f32; rows * nbp];
-        let mut s = vec![0f32; rows * nbp];
-        let mut bsum = vec![0f32; rows * nbp];
+        let mut hs = vec![0i32; rows * nbp * 2];
+        let mut xs = vec![0f32; rows * nbp * 2];
+        let mut dl = vec![0f32; rows * nbp * 2];
         // Rows are independent; batches quantize on all threads.
+        type Row<'a> =
+            (((&'a [f32], &'a mut [i8]), &'a mut [f32]), ((&'a mut [i32], &'a mut [f32]), &'a mut [f32]));
+        let row = |(((x, q), d), ((h, s), l)): Row| quantize_row(x, q, d, h, s, l, group);
         if rows >= 4 {
             x.par_chunks(k)
                 .zip(qs.par_chunks_mut(kp))
                 .zip(d.par_chunks_mut(nbp))
-                .zip(s.par_chunks_mut(nbp).zip(bsum.par_chunks_mut(nbp)))
-                .for_each(|(((x, q), d), (s, b))| quantize_row(x, q, d, s, b, group));
+                .zip(
+                    hs.par_chunks_mut(2 * nbp)
+                        .zip(xs.par_chunks_mut(2 * nbp))
+                        .zip(dl.par_chunks_mut(2 * nbp)),
+                )
+                .for_each(row);
         } else {
-            let rows_iter = x.chunks(k).zip(qs.chunks_mut(kp)).zip(d.chunks_mut(nbp));
-            for (((x, q), d), (s, b)) in rows_iter.zip(s.chunks_mut(nbp).zip(bsum.chunks_mut(nbp))) {
-                quantize_row(x, q, d, s, b, group);
-            }
+            x.chunks(k)
+                .zip(qs.chunks_mut(kp))
+                .zip(d.chunks_mut(nbp))
+                .zip(hs.chunks_mut(2 * nbp).zip(xs.chunks_mut(2 * nbp)).zip(dl.chunks_mut(2 * nbp)))
+                .for_each(row);
         }
-        Self { rows, k, nbp, qs, d, s, bsum }
+        Self { rows, k, nbp, qs, d, dl, hs, xs }
     }
 }
 
-fn quantize_row(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], bsum: &mut [f32], group: usize) {
+fn quantize_row(
+    x: &[f32],
+    qs: &mut [i8],
+    d: &mut [f32],
+    hs: &mut [i32],
+    xs: &mut [f32],
+    dl: &mut [f32],
+    group: usize,
+) {
     let span = group * QK;
-    for (g, (xg, qg)) in x.chunks_exact(span).zip(qs.chunks_exact_mut(span)).enumerate() {
-        // Lane-wise maxima so that the loop vectorises.
-        let mut m = [0f32; 8];
-        for c in xg.chunks_exact(8) {
-            for l in 0..8 {
-                m[l] = m[l].max(c[l].abs());
+    let mut plain = [0i8; 256];
+    let nb = x.len() / QK;
+    for g in 0..nb.div_ceil(8) {
+        plain.fill(0);
+        for j in 0..8 {
+            let b = g * 8 + j;
+            if b >= nb {
+                break;
+            }
+            if b % group == 0 {
+                // Lane-wise maxima so that the loop vectorises.
+                let mut m = [0f32; 8];
+                for c in x[b * QK..b * QK + span].chunks_exact(8) {
+                    for l in 0..8 {
+                        m[l] = m[l].max(c[l].abs());
+                    }
+                }
+                let amax = m.iter().fold(0f32, |a, &v| a.max(v));
+                d[b] = amax / 127.0;
+            } else {
+                d[b] = d[b - 1];
+            }
+            let id = if d[b] > 0.0 { 1.0 / d[b] } else { 0.0 };
+            for (q, &v) in plain[j * QK..(j + 1) * QK].iter_mut().zip(&x[b * QK..(b + 1) * QK]) {
+                *q = (v * id).round_ties_even() as i8;
             }
         }
-        let amax = m.iter().fold(0f32, |a, &v| a.max(v));
-        let db = amax / 127.0;
-        let id = if db > 0.0 { 1.0 / db } else { 0.0 };
-        for (j, (xb, qb)) in xg.chunks_exact(QK).zip(qg.chunks_exact_mut(QK)).enumerate() {
-            let mut sum = 0i32;
-            for (q, &v) in qb.iter_mut().zip(xb) {
-                let r = (v * id).round_ties_even() as i32;
-                *q = r as i8;
-                sum += r;
-            }
-            let b = g * group + j;
-            d[b] = db;
-            s[b] = db * sum as f32;
-            bsum[b] = sum as f32;
+        let out = &mut qs[g * 256..(g + 1) * 256];
+        for (v, &q) in plain.iter().enumerate() {
+            let (m, byte) = crate::packed::lane_pos(v);
+            out[m * 64 + byte] = q;
+        }
+        for l in 0..16 {
+            let sum: i32 = plain[16 * l..16 * l + 16].iter().map(|&q| q as i32).sum();
+            hs[g * 16 + l] = sum;
+            dl[g * 16 + l] = d[g * 8 + l / 2];
+            xs[g * 16 + l] = d[g * 8 + l / 2] * sum as f32;
         }
     }
 }

@@ -1,23 +1,38 @@
-//! GGUF weights repacked once at load time into a structure-of-arrays layout per row, in groups
-//! of eight 32-value blocks: the integers of every block contiguous (4-bit formats as
-//! "elements 0..16 in low nibbles, 16..32 in high nibbles", extra high bits as bit planes), then
-//! the scales. The kernel converts a group's eight scales with one instruction and keeps offset
-//! terms in vector registers instead of decoding two f16 values per block.
+//! GGUF weights repacked once at load time into the layout every kernel path reads: rows of
+//! 256-value groups (one K-quant super-block, or eight 32-value blocks of the legacy formats;
+//! rows are padded to whole groups). A group's values are ordered for a 16-lane integer dot
+//! product: lane `l` owns the 16 values of half-block `l` (values `16l..16l + 16`), and the
+//! group is four 64-byte vectors `W_m` where bytes `4l..4l + 4` of `W_m` are values
+//! `16l + 4m..16l + 4m + 4`. One `vpdpbusd` per `W_m` then leaves in lane `l` a partial dot
+//! of half-block `l` — exactly the granularity of every format's scales (Q6_K scales 16 values,
+//! the others 32 = two lanes) — so scales apply lane-wise with no shuffles.
 //!
-//! K-quants keep their 256-value super-blocks as one group: an f32 super-scale (and super-min)
-//! and eight small integer scales, so the layout stays about as compact as GGUF's.
+//! Integers are stored unsigned (`u = q + bias`): 4-bit formats as nibbles (64 bytes hold `W_0`
+//! in the low and `W_1` in the high nibbles, the next 64 `W_2`/`W_3`), Q5's fifth bit as one
+//! 64-bit mask per `W_m`, Q6_K's two high bits as one byte per lane byte (bits `2m..2m + 2` for
+//! `W_m`), Q8_0 as `q + 128` bytes.
 
 use crate::format::{decode_block, QuantFormat, QK};
 use half::f16;
 
+/// Values per group.
+pub const GROUP: usize = 256;
+
+/// Where value `v` (0..256) of a group sits: vector `m` and byte `x` within it.
+#[inline]
+pub fn lane_pos(v: usize) -> (usize, usize) {
+    let (l, m, i) = (v / 16, (v % 16) / 4, v % 4);
+    (m, 4 * l + i)
+}
+
 /// How a group's scales are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ScaleKind {
-    /// One f16 scale (and offset) per block.
+    /// One f16 scale (and offset) per 32-value block.
     F16,
-    /// Q4_K: per super-block f32 `d`, `dmin`; per block 6-bit `sc`, `mn`: weight = d·sc·q − dmin·mn.
+    /// Q4_K: per group f32 `d`, `dmin`; per block 6-bit `sc`, `mn`: weight = d·sc·q − dmin·mn.
     K4,
-    /// Q6_K: per super-block f32 `d`; per 16 values an i8 scale (block halves lo / hi).
+    /// Q6_K: per group f32 `d`; per 16 values (lane) an i8 scale.
     K6,
 }
 
@@ -25,24 +40,21 @@ pub struct PackedMatrix {
     pub format: QuantFormat,
     pub n: usize,
     pub k: usize,
-    /// Real and padded blocks per row (padded to a multiple of 8).
+    /// Real and padded 32-value blocks per row (padded to whole groups).
     pub nb: usize,
     pub nbp: usize,
     pub scales: ScaleKind,
-    /// Per block: 16 bytes of nibbles, or 32 signed bytes (Q8_0).
+    /// Per group: 128 bytes of nibbles, or 256 bytes (Q8_0).
     pub qs: WeightBuf,
-    /// Per block, the bits above the nibble: Q5, one u32 bit plane (bit i → value i); Q6_K,
-    /// 8 bytes where byte l holds the 2-bit fields of values l, l + 8, l + 16, l + 24 at bits
-    /// 0–1, 2–3, 4–5, 6–7 (one 64-bit shift per quarter puts them in place).
+    /// Per group, the bits above the nibble: Q5, four u64 masks (32 bytes); Q6_K, 64 bytes.
     pub qh: WeightBuf,
-    pub planes: usize,
     /// `F16`: per block `d` (and `m`) as f16 bits.
     pub d16: Vec<u16>,
     pub m16: Vec<u16>,
-    /// `K4`/`K6`: per group (super-block) `d` and (K4) `dmin`.
+    /// `K4`/`K6`: per group `d` and (K4) `dmin`.
     pub gd: Vec<f32>,
     pub gmin: Vec<f32>,
-    /// `K4`: per block scale and min. `K6`: per block scale of the low and high half (as i8).
+    /// `K4`: per block scale and min (8 per group). `K6`: per lane scale as i8 bits (16 per group).
     pub sc: Vec<u8>,
     pub mn: Vec<u8>,
 }
@@ -124,22 +136,6 @@ fn f32_of(bits: u16) -> f32 {
     f16::from_bits(bits).to_f32()
 }
 
-/// Nibble byte layout of a 32-value block: byte l holds value l (low) and value l + 16 (high).
-fn pack_nibbles(v: &[u8; 32], out: &mut [u8]) {
-    for l in 0..16 {
-        out[l] = (v[l] & 0x0F) | ((v[l + 16] & 0x0F) << 4);
-    }
-}
-
-/// Bit `bit` of each of 32 values as a little-endian u32 (value i → bit i).
-fn plane(v: &[u8; 32], bit: u32) -> [u8; 4] {
-    let mut m = 0u32;
-    for (i, &x) in v.iter().enumerate() {
-        m |= (((x >> bit) & 1) as u32) << i;
-    }
-    m.to_le_bytes()
-}
-
 /// Q4_K's packed 6-bit scale and min of sub-block `j`.
 fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
@@ -150,6 +146,16 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 }
 
 impl PackedMatrix {
+    /// Bytes of `qs` and `qh` per group.
+    pub fn group_bytes(format: QuantFormat) -> (usize, usize) {
+        match format {
+            QuantFormat::Q8_0 => (256, 0),
+            QuantFormat::Q5_0 | QuantFormat::Q5_1 => (128, 32),
+            QuantFormat::Q6K => (128, 64),
+            _ => (128, 0),
+        }
+    }
+
     fn empty(format: QuantFormat, n: usize, k: usize) -> Self {
         assert_eq!(k % QK, 0);
         let nb = k / QK;
@@ -159,13 +165,9 @@ impl PackedMatrix {
             QuantFormat::Q6K => ScaleKind::K6,
             _ => ScaleKind::F16,
         };
-        let planes = match format {
-            QuantFormat::Q5_0 | QuantFormat::Q5_1 => 1,
-            QuantFormat::Q6K => 2,
-            _ => 0,
-        };
         let blocks = n * nbp;
         let groups = blocks / 8;
+        let (qsb, qhb) = Self::group_bytes(format);
         let k_quant = scales != ScaleKind::F16;
         Self {
             format,
@@ -174,24 +176,26 @@ impl PackedMatrix {
             nb,
             nbp,
             scales,
-            qs: WeightBuf::zeroed(blocks * if Self::bytes(format) { 32 } else { 16 }),
-            qh: WeightBuf::zeroed(blocks * planes * 4),
-            planes,
+            qs: WeightBuf::zeroed(groups * qsb),
+            qh: WeightBuf::zeroed(groups * qhb),
             d16: if k_quant { Vec::new() } else { vec![0; blocks] },
             m16: if format.has_min() && !k_quant { vec![0; blocks] } else { Vec::new() },
             gd: if k_quant { vec![0.0; groups] } else { Vec::new() },
             gmin: if scales == ScaleKind::K4 { vec![0.0; groups] } else { Vec::new() },
-            sc: if k_quant { vec![0; blocks] } else { Vec::new() },
-            mn: if k_quant { vec![0; blocks] } else { Vec::new() },
+            sc: match scales {
+                ScaleKind::K4 => vec![0; blocks],
+                ScaleKind::K6 => vec![0; groups * 16],
+                ScaleKind::F16 => Vec::new(),
+            },
+            mn: if scales == ScaleKind::K4 { vec![0; blocks] } else { Vec::new() },
         }
     }
 
-    /// Formats stored as one signed byte per value.
-    pub fn bytes(format: QuantFormat) -> bool {
-        format == QuantFormat::Q8_0
+    /// Groups per row.
+    pub fn groups(&self) -> usize {
+        self.nbp / 8
     }
 
-    /// Repacks `n` rows of `k` values of GGUF data.
     /// The matrix made of rows `ids` (e.g. an LM head restricted to a draft vocabulary).
     pub fn select_rows(&self, ids: &[usize]) -> Self {
         fn pick<T: Copy>(v: &[T], n: usize, ids: &[usize]) -> Vec<T> {
@@ -217,7 +221,6 @@ impl PackedMatrix {
             scales: self.scales,
             qs: WeightBuf::from_slice(&pick(&self.qs, n, ids)),
             qh: WeightBuf::from_slice(&pick(&self.qh, n, ids)),
-            planes: self.planes,
             d16: pick(&self.d16, n, ids),
             m16: pick(&self.m16, n, ids),
             gd: pick(&self.gd, n, ids),
@@ -227,47 +230,51 @@ impl PackedMatrix {
         }
     }
 
+    /// Repacks `n` rows of `k` values of GGUF data.
     pub fn from_gguf(format: QuantFormat, data: &[u8], n: usize, k: usize) -> Self {
         let mut p = Self::empty(format, n, k);
         let (nb, nbp) = (p.nb, p.nbp);
+        let mut u = [0u8; GROUP];
         match format {
             QuantFormat::Q4K | QuantFormat::Q6K => {
                 assert_eq!(k % 256, 0, "K-quant rows are whole 256-value super-blocks");
                 let sbb = format.block_bytes();
                 assert_eq!(data.len(), n * k / 256 * sbb, "weight bytes do not match n × k");
-                for (s, sb) in data.chunks_exact(sbb).enumerate() {
-                    let g = s; // nbp == nb for K-quants: super-block s is group s
+                // nbp == nb for K-quants: super-block s is group s.
+                for (g, sb) in data.chunks_exact(sbb).enumerate() {
                     if format == QuantFormat::Q4K {
-                        p.pack_q4k(g, sb);
+                        p.unpack_q4k(g, sb, &mut u);
                     } else {
-                        p.pack_q6k(g, sb);
+                        p.unpack_q6k(g, sb, &mut u);
                     }
+                    p.put_group(g, &u);
                 }
             }
             _ => {
                 let bb = format.block_bytes();
                 assert_eq!(data.len(), n * nb * bb, "weight bytes do not match n × k");
+                let bias = p.bias();
                 let mut q = [0i32; QK];
                 for row in 0..n {
-                    for b in 0..nb {
-                        let blk = &data[(row * nb + b) * bb..][..bb];
-                        let i = row * nbp + b;
-                        p.d16[i] = f16_bits(blk, 0);
-                        if format.has_min() {
-                            p.m16[i] = f16_bits(blk, 2);
+                    for g in 0..nbp / 8 {
+                        u.fill(0);
+                        for j in 0..8 {
+                            let b = g * 8 + j;
+                            if b >= nb {
+                                break; // padding: zero scales, any integers
+                            }
+                            let blk = &data[(row * nb + b) * bb..][..bb];
+                            let i = row * nbp + b;
+                            p.d16[i] = f16_bits(blk, 0);
+                            if format.has_min() {
+                                p.m16[i] = f16_bits(blk, 2);
+                            }
+                            decode_block(format, blk, &mut q);
+                            for (x, &qi) in u[j * QK..(j + 1) * QK].iter_mut().zip(&q) {
+                                *x = (qi + bias) as u8;
+                            }
                         }
-                        decode_block(format, blk, &mut q);
-                        // Store the unsigned form; the kernel re-applies each format's bias.
-                        let bias = match format {
-                            QuantFormat::Q4_0 => 8,
-                            QuantFormat::Q5_0 => 16,
-                            _ => 0,
-                        };
-                        let mut v = [0u8; 32];
-                        for (x, &qi) in v.iter_mut().zip(&q) {
-                            *x = (qi + bias) as u8;
-                        }
-                        p.put_ints(i, &v);
+                        p.put_group(row * (nbp / 8) + g, &u);
                     }
                 }
             }
@@ -275,31 +282,46 @@ impl PackedMatrix {
         p
     }
 
-    fn put_ints(&mut self, i: usize, v: &[u8; 32]) {
-        if self.format == QuantFormat::Q4K {
-            // Q4_K keeps GGUF's pairing: 32 bytes per two blocks, the even block in the low
-            // nibbles and the odd one in the high nibbles, so one load serves both.
-            let shift = 4 * (i % 2);
-            for (dst, &x) in self.qs[(i / 2) * 32..][..32].iter_mut().zip(v) {
-                *dst |= (x & 0x0F) << shift;
+    /// Stores the 256 unsigned integers of global group `gi` in the lane layout.
+    fn put_group(&mut self, gi: usize, u: &[u8; GROUP]) {
+        let (qsb, qhb) = Self::group_bytes(self.format);
+        let qs = &mut self.qs[gi * qsb..(gi + 1) * qsb];
+        let qh = &mut self.qh[gi * qhb..(gi + 1) * qhb];
+        for (v, &x) in u.iter().enumerate() {
+            let (m, byte) = lane_pos(v);
+            if self.format == QuantFormat::Q8_0 {
+                qs[m * 64 + byte] = x;
+                continue;
             }
-            return;
-        }
-        if Self::bytes(self.format) {
-            let bias = self.bias() as u8;
-            for (dst, &x) in self.qs[i * 32..(i + 1) * 32].iter_mut().zip(v) {
-                *dst = x.wrapping_sub(bias);
+            qs[(m / 2) * 64 + byte] |= (x & 0x0F) << (4 * (m % 2));
+            match self.format {
+                QuantFormat::Q5_0 | QuantFormat::Q5_1 if x & 0x10 != 0 => {
+                    qh[m * 8 + byte / 8] |= 1 << (byte % 8);
+                }
+                QuantFormat::Q6K => qh[byte] |= ((x >> 4) & 3) << (2 * m),
+                _ => {}
             }
-            return;
-        }
-        pack_nibbles(v, &mut self.qs[i * 16..(i + 1) * 16]);
-        for pl in 0..self.planes {
-            let o = (i * self.planes + pl) * 4;
-            self.qh[o..o + 4].copy_from_slice(&plane(v, 4 + pl as u32));
         }
     }
 
-    fn pack_q4k(&mut self, g: usize, sb: &[u8]) {
+    /// The unsigned integer of value `v` of global group `gi`.
+    pub fn value(&self, gi: usize, v: usize) -> u8 {
+        let (qsb, qhb) = Self::group_bytes(self.format);
+        let (m, byte) = lane_pos(v);
+        let qs = &self.qs[gi * qsb..];
+        if self.format == QuantFormat::Q8_0 {
+            return qs[m * 64 + byte];
+        }
+        let lo = (qs[(m / 2) * 64 + byte] >> (4 * (m % 2))) & 0x0F;
+        let qh = &self.qh[gi * qhb..];
+        match self.format {
+            QuantFormat::Q5_0 | QuantFormat::Q5_1 => lo | (((qh[m * 8 + byte / 8] >> (byte % 8)) & 1) << 4),
+            QuantFormat::Q6K => lo | (((qh[byte] >> (2 * m)) & 3) << 4),
+            _ => lo,
+        }
+    }
+
+    fn unpack_q4k(&mut self, g: usize, sb: &[u8], u: &mut [u8; GROUP]) {
         // d, dmin, scales[12], qs[128]; sub-block j: low (j even) or high (j odd) nibbles of
         // qs[32·(j/2) ..][..32].
         self.gd[g] = f32_of(f16_bits(sb, 0));
@@ -307,77 +329,38 @@ impl PackedMatrix {
         let (scales, qs) = (&sb[4..16], &sb[16..144]);
         for j in 0..8 {
             let (sc, mn) = scale_min_k4(j, scales);
-            let i = g * 8 + j;
-            self.sc[i] = sc;
-            self.mn[i] = mn;
-            let src = &qs[32 * (j / 2)..][..32];
-            let mut v = [0u8; 32];
-            for (x, &b) in v.iter_mut().zip(src) {
-                *x = if j % 2 == 0 { b & 0x0F } else { b >> 4 };
+            self.sc[g * 8 + j] = sc;
+            self.mn[g * 8 + j] = mn;
+            for (l, &b) in qs[32 * (j / 2)..][..32].iter().enumerate() {
+                u[j * 32 + l] = if j % 2 == 0 { b & 0x0F } else { b >> 4 };
             }
-            self.put_ints(i, &v);
         }
     }
 
-    fn pack_q6k(&mut self, g: usize, sb: &[u8]) {
-        // Kept in GGUF's own layout, ql[128], qh[64] per super-block: value e, 128-chunk c,
-        // quarter t = (e % 128) / 32, lane l = e % 32 has its low 4 bits in
-        // ql[64c + 32·(t % 2) + l] (low nibble for t < 2, high otherwise) and its 2 high bits in
-        // qh[32c + l] at bit 2t, so one 32-byte load serves two or four blocks. Scales: e / 16.
-        self.qs[g * 128..(g + 1) * 128].copy_from_slice(&sb[..128]);
-        self.qh[g * 64..(g + 1) * 64].copy_from_slice(&sb[128..192]);
-        self.gd[g] = f32_of(f16_bits(sb, 208));
-        let scales = &sb[192..208];
-        for j in 0..8 {
-            self.sc[g * 8 + j] = scales[2 * j]; // i8 bits, read back as i8
-            self.mn[g * 8 + j] = scales[2 * j + 1];
+    fn unpack_q6k(&mut self, g: usize, sb: &[u8], u: &mut [u8; GROUP]) {
+        // ql[128], qh[64], scales[16], d: value e, 128-chunk c, quarter t = (e % 128) / 32,
+        // lane l = e % 32 has its low 4 bits in ql[64c + 32·(t % 2) + l] (low nibble for t < 2,
+        // high otherwise) and its 2 high bits in qh[32c + l] at bit 2t. Scales: e / 16.
+        let (ql, qh) = (&sb[..128], &sb[128..192]);
+        for (e, x) in u.iter_mut().enumerate() {
+            let (c, t, l) = (e / 128, (e % 128) / 32, e % 32);
+            let lo = (ql[64 * c + 32 * (t % 2) + l] >> (4 * (t / 2))) & 0x0F;
+            let hi = (qh[32 * c + l] >> (2 * t)) & 3;
+            *x = lo | (hi << 4);
         }
+        self.gd[g] = f32_of(f16_bits(sb, 208));
+        self.sc[g * 16..(g + 1) * 16].copy_from_slice(&sb[192..208]);
     }
 
     /// The signed integers of block `b` of `row` and the scales of its low and high halves and
     /// its offset: value l = d_lo·q[l] + m for l < 16, d_hi·q[l] + m otherwise.
     pub fn block(&self, row: usize, b: usize, q: &mut [i32; QK]) -> (f32, f32, f32) {
         let i = row * self.nbp + b;
-        let mut v = [0u8; 32];
-        if Self::bytes(self.format) {
-            for (qi, &x) in q.iter_mut().zip(&self.qs[i * 32..(i + 1) * 32]) {
-                *qi = x as i8 as i32;
-            }
-        } else if self.format == QuantFormat::Q4K {
-            for (x, &byte) in v.iter_mut().zip(&self.qs[(i / 2) * 32..][..32]) {
-                *x = (byte >> (4 * (i % 2))) & 0x0F;
-            }
-        } else {
-            for l in 0..16 {
-                let byte = self.qs[i * 16 + l];
-                v[l] = byte & 0x0F;
-                v[l + 16] = byte >> 4;
-            }
-            if self.format == QuantFormat::Q6K {
-                let (g, j) = (i / 8, i % 8);
-                let (c, t) = (j / 4, j % 4);
-                for (l, x) in v.iter_mut().enumerate() {
-                    let lo = (self.qs[g * 128 + 64 * c + 32 * (t % 2) + l] >> (4 * (t / 2))) & 0x0F;
-                    let hi = (self.qh[g * 64 + 32 * c + l] >> (2 * t)) & 3;
-                    *x = lo | (hi << 4);
-                }
-            } else {
-                for pl in 0..self.planes {
-                    let o = (i * self.planes + pl) * 4;
-                    let m = u32::from_le_bytes(self.qh[o..o + 4].try_into().unwrap());
-                    for (l, x) in v.iter_mut().enumerate() {
-                        *x |= (((m >> l) & 1) as u8) << (4 + pl);
-                    }
-                }
-            }
+        let (gi, j) = (i / 8, i % 8);
+        let bias = self.bias();
+        for (l, qi) in q.iter_mut().enumerate() {
+            *qi = self.value(gi, j * QK + l) as i32 - bias;
         }
-        if !Self::bytes(self.format) {
-            let bias = self.bias();
-            for (qi, &x) in q.iter_mut().zip(&v) {
-                *qi = x as i32 - bias;
-            }
-        }
-        let g = i / 8;
         match self.scales {
             ScaleKind::F16 => {
                 let d = f32_of(self.d16[i]);
@@ -385,23 +368,19 @@ impl PackedMatrix {
                 (d, d, m)
             }
             ScaleKind::K4 => {
-                let d = self.gd[g] * self.sc[i] as f32;
-                (d, d, -self.gmin[g] * self.mn[i] as f32)
+                let d = self.gd[gi] * self.sc[i] as f32;
+                (d, d, -self.gmin[gi] * self.mn[i] as f32)
             }
             ScaleKind::K6 => {
-                (self.gd[g] * self.sc[i] as i8 as f32, self.gd[g] * self.mn[i] as i8 as f32, 0.0)
+                let s = &self.sc[gi * 16..];
+                (self.gd[gi] * s[2 * j] as i8 as f32, self.gd[gi] * s[2 * j + 1] as i8 as f32, 0.0)
             }
         }
     }
 
     /// What is subtracted from the stored unsigned integers to get the signed ones.
     pub fn bias(&self) -> i32 {
-        match self.format {
-            QuantFormat::Q4_0 => 8,
-            QuantFormat::Q5_0 => 16,
-            QuantFormat::Q6K => 32,
-            _ => 0,
-        }
+        self.format.bias()
     }
 
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {

@@ -1,0 +1,91 @@
+//! Which instruction set runs the quantized kernels: chosen once per process, from what the CPU
+//! has or from `DSPARK_KERNELS`, never per call or per batch size. Every path computes the same
+//! integer sums and applies scales in the same float order, so the choice changes speed, never a
+//! result.
+
+use std::sync::OnceLock;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelPath {
+    /// AVX-512 BW + VNNI (512-bit registers, `vpdpbusd`/`vpdpwssd`).
+    Avx512Vnni,
+    /// AVX2 + FMA + F16C.
+    Avx2,
+    /// Portable Rust; the reference the SIMD paths are tested against.
+    Scalar,
+}
+
+impl KernelPath {
+    pub const ALL: [KernelPath; 3] = [KernelPath::Avx512Vnni, KernelPath::Avx2, KernelPath::Scalar];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Avx512Vnni => "avx512-vnni",
+            Self::Avx2 => "avx2",
+            Self::Scalar => "scalar",
+        }
+    }
+
+    /// Whether this CPU can run the path.
+    pub fn available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            let avx2 = has!("avx2") && has!("fma") && has!("f16c");
+            match self {
+                Self::Avx512Vnni => avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vnni"),
+                Self::Avx2 => avx2,
+                Self::Scalar => true,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Self::Scalar
+        }
+    }
+
+    /// The fastest path this CPU has.
+    pub fn detected() -> Self {
+        Self::ALL.into_iter().find(|p| p.available()).unwrap_or(Self::Scalar)
+    }
+
+    /// Parses a `DSPARK_KERNELS` value: `Ok(None)` for `auto`, the kernel implementations that
+    /// are not paths (`candle`, `ours`) and an unset variable.
+    pub fn from_env_value(v: &str) -> Result<Option<Self>, String> {
+        let p = match v {
+            "" | "auto" | "ours" | "candle" => return Ok(None),
+            "avx512" | "avx512-vnni" => Self::Avx512Vnni,
+            "avx2" => Self::Avx2,
+            "scalar" => Self::Scalar,
+            other => {
+                return Err(format!(
+                    "DSPARK_KERNELS={other:?} is not a kernel path; use auto, avx512, avx2, scalar or candle"
+                ))
+            }
+        };
+        if !p.available() {
+            return Err(format!(
+                "DSPARK_KERNELS={v}: this CPU cannot run the {} kernels (it has: {})",
+                p.name(),
+                Self::detected().name()
+            ));
+        }
+        Ok(Some(p))
+    }
+}
+
+/// The `DSPARK_KERNELS` setting's error, if it names no usable path (binaries check this at
+/// start-up and refuse to run; the library falls back to the detected path).
+pub fn kernel_env_error() -> Option<String> {
+    std::env::var("DSPARK_KERNELS").ok().and_then(|v| KernelPath::from_env_value(&v).err())
+}
+
+/// The path every quantized matmul of this process takes.
+pub fn kernel_path() -> KernelPath {
+    static PATH: OnceLock<KernelPath> = OnceLock::new();
+    *PATH.get_or_init(|| {
+        let forced =
+            std::env::var("DSPARK_KERNELS").ok().and_then(|v| KernelPath::from_env_value(&v).ok().flatten());
+        forced.unwrap_or_else(KernelPath::detected)
+    })
+}
