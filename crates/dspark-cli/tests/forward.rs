@@ -119,3 +119,24 @@ fn exceeding_context_or_capacity_is_a_clear_error() {
     let bad = m.forward(&mut [SeqInput::logits_last(&mut m.new_cache(8), &[u32::MAX])], &TapSpec::default());
     assert!(bad.err().unwrap().to_string().contains("outside the vocabulary"));
 }
+
+/// What makes greedy speculative output equal plain greedy output: a verify block's rows are the
+/// single-token decode steps' results, bit for bit. 70 rows cross the kernels' 64-row pass and
+/// attention's 64-row block.
+#[test]
+fn block_rows_equal_single_token_steps_bit_for_bit() {
+    let m = smollm2();
+    let prompt = tokens(&m, "Write a Python function that reverses a list, then explain it.");
+    let block: Vec<u32> = (0..70u32).map(|i| 400 + 37 * i).collect();
+    let mut cache = m.new_cache(512);
+    m.forward(&mut [SeqInput::logits_last(&mut cache, &prompt)], &TapSpec::default()).unwrap();
+    let together = m.forward(&mut [SeqInput::logits_all(&mut cache, &block)], &TapSpec::default()).unwrap();
+    cache.truncate(prompt.len()).unwrap();
+    let v = m.vocab_size();
+    for (i, t) in block.iter().enumerate() {
+        let one =
+            m.forward(&mut [SeqInput::logits_all(&mut cache, std::slice::from_ref(t))], &TapSpec::default());
+        let one = one.unwrap().remove(0);
+        assert_eq!(one.logits, together[0].logits_row(i, v), "row {i}");
+    }
+}

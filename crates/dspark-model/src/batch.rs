@@ -106,28 +106,10 @@ impl<'s, 'a> Batch<'s, 'a> {
             .map(|&(s, h)| {
                 let sp = spans[s];
                 let (kc, vc) = seqs[s].cache.head(layer, h / group, sp.pos0 + sp.n);
+                let q_at = |i: usize| &q[((sp.row0 + i) * heads + h) * hd..][..hd];
                 let mut out = vec![0f32; sp.n * hd];
-                let mut scores = Vec::with_capacity(sp.pos0 + sp.n);
-                for i in 0..sp.n {
-                    let pos = sp.pos0 + i;
-                    let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                    let qi = &q[((sp.row0 + i) * heads + h) * hd..][..hd];
-                    scores.clear();
-                    let mut max = f32::NEG_INFINITY;
-                    for j in lo..=pos {
-                        let sc = dot(qi, &kc[j * hd..(j + 1) * hd]) * scale;
-                        max = max.max(sc);
-                        scores.push(sc);
-                    }
-                    let mut sum = 0f32;
-                    for sc in scores.iter_mut() {
-                        *sc = (*sc - max).exp();
-                        sum += *sc;
-                    }
-                    let o = &mut out[i * hd..(i + 1) * hd];
-                    for (j, &p) in (lo..=pos).zip(scores.iter()) {
-                        axpy(p / sum, &vc[j * hd..(j + 1) * hd], o);
-                    }
+                for (b, o) in out.chunks_mut(ROW_BLOCK * hd).enumerate() {
+                    attend_rows(sp.pos0, b * ROW_BLOCK, o, q_at, kc, vc, hd, scale, window);
                 }
                 out
             })
@@ -141,5 +123,56 @@ impl<'s, 'a> Batch<'s, 'a> {
             }
         }
         out
+    }
+}
+
+/// Rows attended together: their queries and scores stay in L1/L2 while the keys and values
+/// stream past once.
+const ROW_BLOCK: usize = 64;
+
+/// Causal attention of rows `i0..i0 + out.len() / hd` (row i at position `pos0 + i`) over keys
+/// `lo(i)..=pos0 + i`. Keys outer, rows inner: each key and value is read once per block of rows
+/// instead of once per row (a long prompt's chunk would otherwise stream the whole cache per
+/// row). Per row, the dots, the softmax and the sums over keys run in the same order as for that
+/// row alone, so a row's result does not depend on its batch.
+#[allow(clippy::too_many_arguments)]
+fn attend_rows<'q>(
+    pos0: usize,
+    i0: usize,
+    out: &mut [f32],
+    q_at: impl Fn(usize) -> &'q [f32],
+    kc: &[f32],
+    vc: &[f32],
+    hd: usize,
+    scale: f32,
+    window: Option<usize>,
+) {
+    let n = out.len() / hd;
+    let len = pos0 + i0 + n;
+    let lo = |i: usize| window.map_or(0, |w| (pos0 + i0 + i + 1).saturating_sub(w));
+    let first = lo(0);
+    // Rows of the block that see key j.
+    let rows_of = move |j: usize| (j.saturating_sub(pos0 + i0)..n).filter(move |&i| j >= lo(i));
+    let mut scores = vec![0f32; n * len];
+    for j in first..len {
+        let kj = &kc[j * hd..(j + 1) * hd];
+        for i in rows_of(j) {
+            scores[i * len + j] = dot(q_at(i0 + i), kj) * scale;
+        }
+    }
+    let mut sums = vec![0f32; n];
+    for (i, sum) in sums.iter_mut().enumerate() {
+        let row = &mut scores[i * len + lo(i)..i * len + pos0 + i0 + i + 1];
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        for sc in row.iter_mut() {
+            *sc = (*sc - max).exp();
+            *sum += *sc;
+        }
+    }
+    for j in first..len {
+        let vj = &vc[j * hd..(j + 1) * hd];
+        for i in rows_of(j) {
+            axpy(scores[i * len + j] / sums[i], vj, &mut out[i * hd..(i + 1) * hd]);
+        }
     }
 }
