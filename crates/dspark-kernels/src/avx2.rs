@@ -181,16 +181,18 @@ unsafe fn tile<F: Fmt, const R: usize>(
                 }
             }
             ScaleKind::K4 => {
-                let sc = pairs_u8(w.sc.as_ptr().add(gi * 8));
-                let mn = pairs_u8(w.mn.as_ptr().add(gi * 8));
+                let gd = _mm256_set1_ps(w.gd[gi]);
                 let gmin = _mm256_set1_ps(-w.gmin[gi]);
-                let wm = mn.map(|v| _mm256_mul_ps(_mm256_cvtepi32_ps(v), gmin));
+                let scd =
+                    pairs_u8(w.sc.as_ptr().add(gi * 8)).map(|v| _mm256_mul_ps(_mm256_cvtepi32_ps(v), gd));
+                let wm =
+                    pairs_u8(w.mn.as_ptr().add(gi * 8)).map(|v| _mm256_mul_ps(_mm256_cvtepi32_ps(v), gmin));
                 for r in 0..R {
                     let xg = (r0 + r) * groups + g;
-                    let gdx = _mm256_set1_ps(w.gd[gi] * *x.d.get_unchecked(xg * 8));
+                    let dx = _mm256_set1_ps(*x.d.get_unchecked(xg * 8));
                     for half in 0..2 {
-                        let s = _mm256_mullo_epi32(p[r][half], sc[half]);
-                        acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), gdx, acc[r][half]);
+                        let s = _mm256_mul_ps(scd[half], dx);
+                        acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[r][half]), s, acc[r][half]);
                         let xs = _mm256_loadu_ps(x.xs.as_ptr().add(xg * 16 + 8 * half));
                         acc[r][half] = _mm256_fmadd_ps(wm[half], xs, acc[r][half]);
                     }
@@ -198,14 +200,16 @@ unsafe fn tile<F: Fmt, const R: usize>(
             }
             ScaleKind::K6 => {
                 let v = _mm_loadu_si128(w.sc.as_ptr().add(gi * 16) as *const __m128i);
-                let sc = [_mm256_cvtepi8_epi32(v), _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))];
+                let gd = _mm256_set1_ps(w.gd[gi]);
+                let scd = [_mm256_cvtepi8_epi32(v), _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))]
+                    .map(|v| _mm256_mul_ps(_mm256_cvtepi32_ps(v), gd));
                 for r in 0..R {
                     let xg = (r0 + r) * groups + g;
-                    let gdx = _mm256_set1_ps(w.gd[gi] * *x.d.get_unchecked(xg * 8));
+                    let dx = _mm256_set1_ps(*x.d.get_unchecked(xg * 8));
                     for half in 0..2 {
                         let pc = _mm256_sub_epi32(p[r][half], _mm256_slli_epi32(hs(xg, half), 5));
-                        let s = _mm256_mullo_epi32(pc, sc[half]);
-                        acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), gdx, acc[r][half]);
+                        let s = _mm256_mul_ps(scd[half], dx);
+                        acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pc), s, acc[r][half]);
                     }
                 }
             }

@@ -36,7 +36,10 @@ unsafe fn range_f<F: Fmt>(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, ou
         let first = r0 == 0;
         let mut n = n0;
         while n < n1 {
-            let c = (n1 - n).min(2);
+            // The first row tile streams the weights from memory: one column at a time keeps
+            // that a single sequential stream (two interleaved ones read markedly slower);
+            // later tiles find the columns in L2 and share each activation load between two.
+            let c = if first { 1 } else { (n1 - n).min(2) };
             match (rt, c) {
                 (4, 2) => tile::<F, 4, 2>(w, n, x, r0, out, ldo, first),
                 (3, 2) => tile::<F, 3, 2>(w, n, x, r0, out, ldo, first),
@@ -111,9 +114,7 @@ unsafe fn tile<F: Fmt, const R: usize, const C: usize>(
     let mut acc = [[_mm512_setzero_ps(); C]; R];
     for g in 0..groups {
         if prefetch {
-            for c in 0..C {
-                prefetch_group::<F>(w, (n + c) * groups + g);
-            }
+            prefetch_group::<F>(w, n * groups + g);
         }
         let mut p = [[_mm512_setzero_si512(); C]; R];
         for h in 0..2 {
@@ -159,17 +160,16 @@ unsafe fn tile<F: Fmt, const R: usize, const C: usize>(
                     }
                 }
                 ScaleKind::K4 => {
-                    let sc = pairs_u8(w.sc.as_ptr().add(gi * 8));
+                    let gd = _mm512_set1_ps(w.gd[gi]);
+                    let scd = _mm512_mul_ps(_mm512_cvtepi32_ps(pairs_u8(w.sc.as_ptr().add(gi * 8))), gd);
                     let wm = _mm512_mul_ps(
                         _mm512_cvtepi32_ps(pairs_u8(w.mn.as_ptr().add(gi * 8))),
                         _mm512_set1_ps(-w.gmin[gi]),
                     );
                     for r in 0..R {
                         let xg = (r0 + r) * groups + g;
-                        let dx = *x.d.get_unchecked(xg * 8);
-                        let s = _mm512_mullo_epi32(p[r][c], sc);
-                        let gdx = _mm512_set1_ps(w.gd[gi] * dx);
-                        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), gdx, acc[r][c]);
+                        let s = _mm512_mul_ps(scd, _mm512_set1_ps(*x.d.get_unchecked(xg * 8)));
+                        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[r][c]), s, acc[r][c]);
                         let xs = _mm512_loadu_ps(x.xs.as_ptr().add(xg * 16));
                         acc[r][c] = _mm512_fmadd_ps(wm, xs, acc[r][c]);
                     }
@@ -177,12 +177,12 @@ unsafe fn tile<F: Fmt, const R: usize, const C: usize>(
                 ScaleKind::K6 => {
                     let sc =
                         _mm512_cvtepi8_epi32(_mm_loadu_si128(w.sc.as_ptr().add(gi * 16) as *const __m128i));
+                    let scd = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), _mm512_set1_ps(w.gd[gi]));
                     for r in 0..R {
                         let xg = (r0 + r) * groups + g;
-                        let dx = *x.d.get_unchecked(xg * 8);
-                        let s = _mm512_mullo_epi32(correct::<F>(p[r][c], x, xg), sc);
-                        acc[r][c] =
-                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(w.gd[gi] * dx), acc[r][c]);
+                        let s = _mm512_mul_ps(scd, _mm512_set1_ps(*x.d.get_unchecked(xg * 8)));
+                        let pc = correct::<F>(p[r][c], x, xg);
+                        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pc), s, acc[r][c]);
                     }
                 }
             }

@@ -220,10 +220,12 @@ fn quantize_row(
                 *q = (v * id).round_ties_even() as i8;
             }
         }
+        // Lane order (see `packed::lane_pos`): four values at a time.
         let out = &mut qs[g * 256..(g + 1) * 256];
-        for (v, &q) in plain.iter().enumerate() {
-            let (m, byte) = crate::packed::lane_pos(v);
-            out[m * 64 + byte] = q;
+        for l in 0..16 {
+            for m in 0..4 {
+                out[m * 64 + 4 * l..][..4].copy_from_slice(&plain[16 * l + 4 * m..][..4]);
+            }
         }
         for l in 0..16 {
             let sum: i32 = plain[16 * l..16 * l + 16].iter().map(|&q| q as i32).sum();

@@ -4,13 +4,13 @@
 //! ```text
 //! Pc[l] = Σ over lane l's 16 values of q·a               exact integers (q signed)
 //! F16: acc[l] = fma(Pc[l], d_w·d_x, acc[l]);  with offset m: acc[l] = fma(m, xs[l], acc[l])
-//! K4:  acc[l] = fma(sc·Pc[l], d·d_x, acc[l]);  acc[l] = fma(mn·(−dmin), xs[l], acc[l])
-//! K6:  acc[l] = fma(sc[l]·Pc[l], d·d_x, acc[l])
+//! K4:  acc[l] = fma(Pc[l], (sc·d)·d_x, acc[l]);  acc[l] = fma(mn·(−dmin), xs[l], acc[l])
+//! K6:  acc[l] = fma(Pc[l], (sc[l]·d)·d_x, acc[l])
 //! y   = ((acc[0..8] + acc[8..16]) folded 8 → 4 → 2 → 1, each step adding the upper half)
 //! ```
 //!
-//! `xs[l]` is the activation's lane sum times its scale. `d_w·d_x` and friends are single f32
-//! products. The SIMD paths compute the same integers
+//! `xs[l]` is the activation's lane sum times its scale. Each product of scales is one f32
+//! multiply, left to right as written (`sc·d` is exact: a small integer times an f16 value). The SIMD paths compute the same integers
 //! (any exact way) and the same lane-wise float operations in the same order, so every path
 //! gives the same bits, and a row's result never depends on the other rows of its batch.
 
@@ -72,19 +72,17 @@ fn dot(w: &PackedMatrix, n: usize, x: &Q8Rows, r: usize) -> f32 {
                 }
             }
             ScaleKind::K4 => {
-                let gdx = w.gd[gi] * dx;
                 for l in 0..16 {
-                    let s = w.sc[gi * 8 + l / 2] as i32 * pc[l];
+                    let s = w.sc[gi * 8 + l / 2] as f32 * w.gd[gi] * dx;
                     let wm = w.mn[gi * 8 + l / 2] as f32 * -w.gmin[gi];
-                    acc[l] = (s as f32).mul_add(gdx, acc[l]);
+                    acc[l] = (pc[l] as f32).mul_add(s, acc[l]);
                     acc[l] = wm.mul_add(x.xs[xg * 16 + l], acc[l]);
                 }
             }
             ScaleKind::K6 => {
-                let gdx = w.gd[gi] * dx;
                 for l in 0..16 {
-                    let s = w.sc[gi * 16 + l] as i8 as i32 * pc[l];
-                    acc[l] = (s as f32).mul_add(gdx, acc[l]);
+                    let s = w.sc[gi * 16 + l] as i8 as f32 * w.gd[gi] * dx;
+                    acc[l] = (pc[l] as f32).mul_add(s, acc[l]);
                 }
             }
         }
