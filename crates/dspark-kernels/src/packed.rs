@@ -287,19 +287,31 @@ impl PackedMatrix {
         let (qsb, qhb) = Self::group_bytes(self.format);
         let qs = &mut self.qs[gi * qsb..(gi + 1) * qsb];
         let qh = &mut self.qh[gi * qhb..(gi + 1) * qhb];
-        for (v, &x) in u.iter().enumerate() {
-            let (m, byte) = lane_pos(v);
-            if self.format == QuantFormat::Q8_0 {
-                qs[m * 64 + byte] = x;
-                continue;
-            }
-            qs[(m / 2) * 64 + byte] |= (x & 0x0F) << (4 * (m % 2));
-            match self.format {
-                QuantFormat::Q5_0 | QuantFormat::Q5_1 if x & 0x10 != 0 => {
-                    qh[m * 8 + byte / 8] |= 1 << (byte % 8);
+        // Value 16l + 4m + i goes to byte 4l + i of vector m (see `lane_pos`).
+        for l in 0..16 {
+            for m in 0..4 {
+                let src = &u[16 * l + 4 * m..][..4];
+                let byte = 4 * l;
+                match self.format {
+                    QuantFormat::Q8_0 => qs[m * 64 + byte..][..4].copy_from_slice(src),
+                    _ => {
+                        for (i, &x) in src.iter().enumerate() {
+                            qs[(m / 2) * 64 + byte + i] |= (x & 0x0F) << (4 * (m % 2));
+                        }
+                    }
                 }
-                QuantFormat::Q6K => qh[byte] |= ((x >> 4) & 3) << (2 * m),
-                _ => {}
+                match self.format {
+                    QuantFormat::Q5_0 | QuantFormat::Q5_1 => {
+                        let bits = src.iter().enumerate().fold(0u8, |b, (i, &x)| b | (((x >> 4) & 1) << i));
+                        qh[m * 8 + byte / 8] |= bits << (byte % 8);
+                    }
+                    QuantFormat::Q6K => {
+                        for (i, &x) in src.iter().enumerate() {
+                            qh[byte + i] |= ((x >> 4) & 3) << (2 * m);
+                        }
+                    }
+                    _ => {}
+                }
             }
         }
     }
