@@ -57,7 +57,7 @@ def main():
 
     p = xl.CommonParams()
     p.model.path = a.model
-    p.n_ctx = 4096
+    p.n_ctx = max(4096, a.context + 128, a.prefill + 16) if a.forward_k else 4096
     p.n_parallel = 1
     p.cpuparams.n_threads = a.threads
     p.cpuparams_batch.n_threads = a.threads

@@ -2,7 +2,7 @@
 //! one stack of rows through the weights and split apart only inside attention.
 
 use crate::kv::KvCache;
-use crate::ops::{axpy, dot, Rope};
+use crate::ops::{axpy, dot, dot4_scaled, exp_sub_in_place, Rope};
 use rayon::prelude::*;
 
 /// One sequence's part of a forward call.
@@ -150,29 +150,118 @@ fn attend_rows<'q>(
     let n = out.len() / hd;
     let len = pos0 + i0 + n;
     let lo = |i: usize| window.map_or(0, |w| (pos0 + i0 + i + 1).saturating_sub(w));
-    let first = lo(0);
-    // Rows of the block that see key j.
-    let rows_of = move |j: usize| (j.saturating_sub(pos0 + i0)..n).filter(move |&i| j >= lo(i));
+    // Rows of the block that see key j: consecutive, from the first row at or after position j
+    // to the last whose window still reaches back to j.
+    let rows_of = move |j: usize| {
+        let end = window.map_or(n, |w| (j + w).saturating_sub(pos0 + i0).min(n));
+        j.saturating_sub(pos0 + i0)..end
+    };
+    // Scores four rows at a time over the keys they share (each key read once per four rows,
+    // each row's scores written in order); keys only some of the four see go one row at a time.
     let mut scores = vec![0f32; n * len];
-    for j in first..len {
-        let kj = &kc[j * hd..(j + 1) * hd];
-        for i in rows_of(j) {
-            scores[i * len + j] = dot(q_at(i0 + i), kj) * scale;
+    for i in (0..n).step_by(4) {
+        let rows = i..(i + 4).min(n);
+        // Keys all four rows see in one sweep; before and after it, one row at a time.
+        let (a, b) = if rows.len() == 4 { (lo(i + 3), pos0 + i0 + i + 1) } else { (len, len) };
+        if a < b {
+            let q = [0, 1, 2, 3].map(|r| q_at(i0 + i + r));
+            let mut it = scores[i * len..(i + 4) * len].chunks_mut(len);
+            let out = [(); 4].map(|_| it.next().unwrap());
+            dot4_scaled(q, kc, a..b, scale, out);
+        }
+        for j in (lo(i)..pos0 + i0 + rows.end).filter(|j| !(a..b).contains(j)) {
+            let kj = &kc[j * hd..(j + 1) * hd];
+            for r in rows_of(j).filter(|r| rows.contains(r)) {
+                scores[r * len + j] = dot(q_at(i0 + r), kj) * scale;
+            }
         }
     }
-    let mut sums = vec![0f32; n];
-    for (i, sum) in sums.iter_mut().enumerate() {
+    for i in 0..n {
         let row = &mut scores[i * len + lo(i)..i * len + pos0 + i0 + i + 1];
         let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        exp_sub_in_place(row, max);
+        let s: f32 = row.iter().sum();
+        // The weights `p / sum` once per score rather than once per score and value row.
         for sc in row.iter_mut() {
-            *sc = (*sc - max).exp();
-            *sum += *sc;
+            *sc /= s;
         }
     }
-    for j in first..len {
-        let vj = &vc[j * hd..(j + 1) * hd];
-        for i in rows_of(j) {
-            axpy(scores[i * len + j] / sums[i], vj, &mut out[i * hd..(i + 1) * hd]);
+    // out_i += p_ij · v_j over j in increasing order for every element. Four rows at a time over
+    // the keys all four see, with their outputs held in registers (`weighted_sum4`); the keys
+    // before and after that span, seen by only some of the four, one row at a time — each
+    // element still takes its keys in increasing order.
+    for i in (0..n).step_by(4) {
+        let rows = i..(i + 4).min(n);
+        let (a, b) = if rows.len() == 4 { (lo(i + 3), pos0 + i0 + i + 1) } else { (len, len) };
+        let add = |out: &mut [f32], js: std::ops::Range<usize>| {
+            for j in js {
+                for r in rows_of(j) {
+                    if rows.contains(&r) {
+                        axpy(scores[r * len + j], &vc[j * hd..(j + 1) * hd], &mut out[r * hd..(r + 1) * hd]);
+                    }
+                }
+            }
+        };
+        add(out, lo(i)..a.min(pos0 + i0 + rows.end));
+        if a < b {
+            let block = &mut out[i * hd..(i + 4) * hd];
+            let p = [0, 1, 2, 3].map(|r| &scores[(i + r) * len..(i + r + 1) * len]);
+            weighted_sum4(p, vc, a..b, hd, block);
+        }
+        add(out, b.max(a)..pos0 + i0 + rows.end);
+    }
+}
+
+/// `out[r] += Σ_{j ∈ js} p[r][j] · v_j` for four rows, each element accumulating its keys in
+/// increasing order with one FMA each — exactly `axpy`'s arithmetic, with the outputs kept in
+/// registers across keys instead of loaded and stored once per key.
+fn weighted_sum4(p: [&[f32]; 4], v: &[f32], js: std::ops::Range<usize>, hd: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if hd.is_multiple_of(16)
+        && std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+    {
+        // SAFETY: AVX2 and FMA were detected; `out` holds four rows of `hd`, `v` covers `js`.
+        unsafe { weighted_sum4_avx2(p, v, js, hd, out) };
+        return;
+    }
+    for j in js {
+        for (r, pr) in p.iter().enumerate() {
+            axpy(pr[j], &v[j * hd..(j + 1) * hd], &mut out[r * hd..(r + 1) * hd]);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn weighted_sum4_avx2(
+    p: [&[f32]; 4],
+    v: &[f32],
+    js: std::ops::Range<usize>,
+    hd: usize,
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    assert!(out.len() >= 4 * hd && v.len() >= js.end * hd && p.iter().all(|r| r.len() >= js.end));
+    for e in (0..hd).step_by(16) {
+        let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+        for (r, a) in acc.iter_mut().enumerate() {
+            let o = out.as_ptr().add(r * hd + e);
+            *a = [_mm256_loadu_ps(o), _mm256_loadu_ps(o.add(8))];
+        }
+        for j in js.clone() {
+            let vp = v.as_ptr().add(j * hd + e);
+            let (v0, v1) = (_mm256_loadu_ps(vp), _mm256_loadu_ps(vp.add(8)));
+            for (a, pr) in acc.iter_mut().zip(&p) {
+                let w = _mm256_set1_ps(*pr.get_unchecked(j));
+                a[0] = _mm256_fmadd_ps(w, v0, a[0]);
+                a[1] = _mm256_fmadd_ps(w, v1, a[1]);
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            let o = out.as_mut_ptr().add(r * hd + e);
+            _mm256_storeu_ps(o, a[0]);
+            _mm256_storeu_ps(o.add(8), a[1]);
         }
     }
 }

@@ -21,6 +21,125 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// `out[r][j] = dot(q[r], k_j) · scale` for four rows `q` and the keys `j ∈ js` (`k_j` is row
+/// `j` of `k`, `q[r].len()` wide), with exactly `dot`'s arithmetic per score (eight lanes of
+/// FMAs over the chunks in order, lanes summed in order, then the tail): four independent chains
+/// keep the FMA units busy where one dot waits on its own latency.
+pub fn dot4_scaled(q: [&[f32]; 4], k: &[f32], js: std::ops::Range<usize>, scale: f32, out: [&mut [f32]; 4]) {
+    let hd = q[0].len();
+    assert!(
+        q.iter().all(|r| r.len() == hd) && k.len() >= js.end * hd && out.iter().all(|o| o.len() >= js.end)
+    );
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: AVX2 and FMA were detected; the lengths were checked above.
+        unsafe { dot4_avx2(q, k, js, scale, out) };
+        return;
+    }
+    let [o0, o1, o2, o3] = out;
+    for j in js {
+        let kj = &k[j * hd..(j + 1) * hd];
+        for (o, qr) in [&mut *o0, &mut *o1, &mut *o2, &mut *o3].into_iter().zip(&q) {
+            o[j] = dot(qr, kj) * scale;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot4_avx2(q: [&[f32]; 4], k: &[f32], js: std::ops::Range<usize>, scale: f32, out: [&mut [f32]; 4]) {
+    use std::arch::x86_64::*;
+    let hd = q[0].len();
+    let n8 = hd / 8 * 8;
+    let [o0, o1, o2, o3] = out;
+    let outs = [o0.as_mut_ptr(), o1.as_mut_ptr(), o2.as_mut_ptr(), o3.as_mut_ptr()];
+    for j in js {
+        let kj = k.as_ptr().add(j * hd);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for c in (0..n8).step_by(8) {
+            let kc = _mm256_loadu_ps(kj.add(c));
+            for r in 0..4 {
+                acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r].as_ptr().add(c)), kc, acc[r]);
+            }
+        }
+        for r in 0..4 {
+            let mut lanes = [0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]);
+            let mut s = lanes.iter().sum::<f32>();
+            for e in n8..hd {
+                s += *q[r].get_unchecked(e) * *kj.add(e);
+            }
+            *outs[r].add(j) = s * scale;
+        }
+    }
+}
+
+/// `e^x` for the softmax (x ≤ 0): range reduction by ln 2 and a degree-6 polynomial (Cephes'
+/// `expf`), within 2 ulp of the true value; 0 below −87. One formula for the scalar and the
+/// vector code, so a score gets the same bits whichever computes it.
+#[inline]
+pub fn exp_softmax(x: f32) -> f32 {
+    if x < EXP_MIN {
+        return 0.0;
+    }
+    let n = (x * std::f32::consts::LOG2_E).round_ties_even();
+    let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x));
+    let mut p = EXP_P[0];
+    for c in &EXP_P[1..] {
+        p = p.mul_add(r, *c);
+    }
+    let e = (r * r).mul_add(p, r) + 1.0;
+    e * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+const EXP_MIN: f32 = -87.0;
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+const EXP_P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5];
+
+/// `x ← exp_softmax(x − max)` over a row, eight at a time where the CPU allows.
+pub fn exp_sub_in_place(row: &mut [f32], max: f32) {
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: AVX2 and FMA were detected.
+        done = unsafe { exp_sub_avx2(row, max) };
+    }
+    for v in &mut row[done..] {
+        *v = exp_softmax(*v - max);
+    }
+}
+
+/// The lanes of [`exp_softmax`]; returns how many leading elements it did (whole eights).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_sub_avx2(row: &mut [f32], max: f32) -> usize {
+    use std::arch::x86_64::*;
+    let n8 = row.len() / 8 * 8;
+    let (m, lo) = (_mm256_set1_ps(max), _mm256_set1_ps(EXP_MIN));
+    for c in (0..n8).step_by(8) {
+        let p_row = row.as_mut_ptr().add(c);
+        let x = _mm256_sub_ps(_mm256_loadu_ps(p_row), m);
+        let n = _mm256_round_ps(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+        );
+        let nn = _mm256_sub_ps(_mm256_setzero_ps(), n);
+        let r = _mm256_fmadd_ps(nn, _mm256_set1_ps(LN2_LO), _mm256_fmadd_ps(nn, _mm256_set1_ps(LN2_HI), x));
+        let mut p = _mm256_set1_ps(EXP_P[0]);
+        for c in &EXP_P[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
+        }
+        let e = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(r, r), p, r), _mm256_set1_ps(1.0));
+        // Below the cut-off n is far negative and the exponent bits would wrap: masked to 0.
+        let bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        let v = _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
+        let keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+        _mm256_storeu_ps(p_row, _mm256_and_ps(v, keep));
+    }
+    n8
+}
+
 #[inline]
 pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     for (yi, &xi) in y.iter_mut().zip(x) {
@@ -120,6 +239,47 @@ impl Rope {
                     let (x0, x1) = (head[a], head[b]);
                     head[a] = x0 * c[i] - x1 * s[i];
                     head[b] = x0 * s[i] + x1 * c[i];
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn softmax_exp_is_within_2_ulp_and_the_same_in_every_lane() {
+        let xs: Vec<f32> =
+            (0..20000).map(|i| -(i as f32) * 0.0045).chain([0.0, -86.9, -87.5, -1e9]).collect();
+        for &x in &xs {
+            let (got, want) = (super::exp_softmax(x), (x as f64).exp() as f32);
+            if x >= -87.0 {
+                let ulps = (got.to_bits() as i64 - want.to_bits() as i64).abs();
+                assert!(ulps <= 2 || want < 1.2e-38, "exp({x}) = {got}, want {want}");
+            } else {
+                assert_eq!(got, 0.0);
+            }
+        }
+        let mut row = xs.clone();
+        super::exp_sub_in_place(&mut row, 0.0);
+        let want: Vec<f32> = xs.iter().map(|&x| super::exp_softmax(x)).collect();
+        assert_eq!(row, want);
+    }
+
+    #[test]
+    fn dot4_is_dot_bit_for_bit() {
+        for hd in [5usize, 8, 64, 67, 128] {
+            let v = |s: usize, n: usize| {
+                (0..n).map(|i| ((i * 7919 + s * 104729) % 1013) as f32 / 97.0 - 5.0).collect::<Vec<_>>()
+            };
+            let q: Vec<Vec<f32>> = (1..5).map(|s| v(s, hd)).collect();
+            let k = v(9, hd * 6);
+            let mut out = vec![vec![0f32; 6]; 4];
+            let [a, b, c, d] = &mut out[..] else { unreachable!() };
+            super::dot4_scaled([&q[0], &q[1], &q[2], &q[3]], &k, 1..6, 0.125, [a, b, c, d]);
+            for r in 0..4 {
+                for j in 1..6 {
+                    assert_eq!(out[r][j], super::dot(&q[r], &k[j * hd..(j + 1) * hd]) * 0.125, "hd {hd}");
                 }
             }
         }
