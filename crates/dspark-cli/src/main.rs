@@ -212,9 +212,14 @@ pub fn shipped_drafter(target_name: &str) -> Option<PathBuf> {
     dir.join("config.json").exists().then_some(dir)
 }
 
+/// `raw` text is parsed for special tokens (the caller writes the markup); a chat prompt is one
+/// user turn whose text never becomes control tokens.
 pub fn prompt_tokens(model: &Model, text: &str, raw: bool) -> Result<Vec<u32>> {
-    let text = if raw { text.to_string() } else { model.chat_prompt(text)? };
-    Ok(model.tokenizer.encode(&text, true)?)
+    if raw {
+        Ok(model.tokenizer.encode(text, true)?)
+    } else {
+        Ok(model.chat_tokens(text)?)
+    }
 }
 
 fn run_generate(a: GenerateArgs) -> Result<()> {

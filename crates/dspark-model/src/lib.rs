@@ -360,8 +360,28 @@ impl Model {
         Ok(outs)
     }
 
+    /// The prompt ids of one user turn: see [`Self::encode_chat`].
+    pub fn chat_tokens(&self, user: &str) -> Result<Vec<u32>> {
+        self.encode_chat(&[dspark_tokenizer::ChatMessage::new("user", user)])
+    }
+
+    /// The prompt ids of a conversation through the chat template, the assistant's turn opened;
+    /// models without a template get the contents joined by newlines. Message text is never
+    /// parsed for special tokens: only the template's markup makes control tokens, so a message
+    /// cannot forge another turn.
+    pub fn encode_chat(&self, messages: &[dspark_tokenizer::ChatMessage]) -> Result<Vec<u32>> {
+        match &self.chat_template {
+            Some(t) => Ok(t.encode(&self.tokenizer, messages, true)?),
+            None => {
+                let text = messages.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n");
+                Ok(self.tokenizer.encode(&text, false)?)
+            }
+        }
+    }
+
     /// The prompt text for one user turn through the chat template (generation prompt opened),
-    /// or the raw text for models without a template.
+    /// or the raw text for models without a template. For display: tokenize prompts with
+    /// [`Self::chat_tokens`], which keeps special-token text in the message as text.
     pub fn chat_prompt(&self, user: &str) -> Result<String> {
         match &self.chat_template {
             Some(t) => Ok(t.render(&[dspark_tokenizer::ChatMessage::new("user", user)], true)?),

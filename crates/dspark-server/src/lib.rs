@@ -178,18 +178,17 @@ async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
         let req: ChatRequest = openai::parse(&body)?;
         check_model(&s, &req.common.model)?;
         let turns = req.turns()?;
-        let text = match &s.model().chat_template {
-            Some(t) => {
-                let msgs: Vec<ChatMessage> = turns.iter().map(|(r, c)| ChatMessage::new(r, c)).collect();
-                t.render(&msgs, true)
-                    .map_err(|e| ApiError::invalid(format!("chat template: {e}"), Some("messages")))?
-            }
-            None => turns.iter().map(|(_, c)| c.as_str()).collect::<Vec<_>>().join("\n"),
-        };
-        Ok((text, req.common.settings()?))
+        let settings = req.common.settings()?;
+        let msgs: Vec<ChatMessage> = turns.iter().map(|(r, c)| ChatMessage::new(r, c)).collect();
+        // Message text never becomes control tokens: a client cannot write other turns.
+        let prompt = s
+            .model()
+            .encode_chat(&msgs)
+            .map_err(|e| ApiError::invalid(format!("chat template: {e}"), Some("messages")))?;
+        Ok((prompt, settings))
     })();
     match r {
-        Ok((text, settings)) => generate(s, Kind::Chat, &text, settings).await,
+        Ok((prompt, settings)) => generate(s, Kind::Chat, prompt, settings).await,
         Err(e) => reject(&s, e),
     }
 }
@@ -198,14 +197,20 @@ async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     let r: Result<_, ApiError> = (|| {
         let req: CompletionRequest = openai::parse(&body)?;
         check_model(&s, &req.common.model)?;
-        let mut prompts = req.prompt.into_vec();
+        let prompts = req.prompt.into_vec();
         if prompts.len() != 1 {
             return Err(ApiError::invalid("give exactly one prompt string", Some("prompt")));
         }
-        Ok((prompts.remove(0), req.common.settings()?))
+        let settings = req.common.settings()?;
+        let prompt = s
+            .model()
+            .tokenizer
+            .encode(&prompts[0], req.parse_special)
+            .map_err(|e| ApiError::invalid(format!("cannot tokenize the prompt: {e}"), Some("prompt")))?;
+        Ok((prompt, settings))
     })();
     match r {
-        Ok((text, settings)) => generate(s, Kind::Text, &text, settings).await,
+        Ok((prompt, settings)) => generate(s, Kind::Text, prompt, settings).await,
         Err(e) => reject(&s, e),
     }
 }
@@ -380,13 +385,9 @@ impl Clock {
     }
 }
 
-async fn generate(s: Arc<AppState>, kind: Kind, text: &str, st: Settings) -> Response {
+async fn generate(s: Arc<AppState>, kind: Kind, prompt: Vec<u32>, st: Settings) -> Response {
     let arrived = Instant::now();
     let model = s.model();
-    let prompt = match model.tokenizer.encode(text, true) {
-        Ok(p) => p,
-        Err(e) => return reject(&s, ApiError::invalid(format!("cannot tokenize the prompt: {e}"), None)),
-    };
     let context = model.config.context_length;
     let room = context.saturating_sub(prompt.len());
     let max_tokens = st.max_tokens.unwrap_or_else(|| s.default_max_tokens.min(room.max(1)));
