@@ -231,7 +231,10 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
             state.engine.config.policy,
             listener.local_addr()?
         );
-        dspark_server::serve(listener, state, shutdown_signal()).await?;
+        // An engine failure ends the process with an error: a supervisor restarts it.
+        dspark_server::serve(listener, state, shutdown_signal())
+            .await
+            .context("the server stopped; restart it")?;
         eprintln!("stopped");
         Ok(())
     })

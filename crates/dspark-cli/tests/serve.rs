@@ -497,3 +497,38 @@ fn a_message_cannot_forge_an_assistant_turn() {
     }
     srv.stop().unwrap();
 }
+
+#[test]
+fn a_dead_engine_fails_health_and_stops_the_server_with_an_error() {
+    let t = target();
+    let engine = dspark_engine::spawn(t.clone(), None, config(Policy::Plain)).unwrap();
+    let state = Arc::new(AppState::new(engine.clone(), MODEL, None, 64));
+    let srv = dspark_server::start(state, "127.0.0.1:0").unwrap();
+    let base = format!("http://{}", srv.addr);
+    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    assert_eq!(post(&base, "/v1/chat/completions", &chat).0, 200);
+    engine.inject_panic();
+    let t0 = Instant::now();
+    let health = loop {
+        match ureq::get(&format!("{base}/health")).call() {
+            Ok(_) => {
+                assert!(t0.elapsed() < Duration::from_secs(5), "/health stays 200 after the engine died")
+            }
+            Err(ureq::Error::Status(code, r)) => break (code, r.into_json::<Value>().unwrap()),
+            Err(e) => panic!("the server went away before /health reported the failure: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert_eq!((health.0, &health.1["status"]), (503, &json!("failed")), "{}", health.1);
+    assert!(health.1["error"].as_str().unwrap().contains("panicked"), "{}", health.1);
+    let (code, v) = post(&base, "/v1/chat/completions", &chat);
+    assert_eq!((code, &v["error"]["code"]), (503, &json!("engine_failed")), "{v}");
+    // The server stops on its own, with an error (`dspark serve` exits non-zero).
+    let t0 = Instant::now();
+    while std::net::TcpStream::connect(srv.addr).is_ok() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the server kept running with a dead engine");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let err = srv.stop().unwrap_err();
+    assert!(err.to_string().contains("engine thread panicked"), "{err}");
+}

@@ -82,6 +82,11 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 /// Serves until `shutdown` resolves, then stops taking requests, lets in-flight ones finish and
 /// stops the engine.
+///
+/// An engine that dies (a panic in a step) fails the whole server: `/health` answers 503 with
+/// the reason, the server stops as on `shutdown`, and this returns an error, so that `dspark
+/// serve` exits non-zero and a supervisor restarts it. Staying up would answer every request
+/// with 503 while health checks kept passing.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
@@ -89,14 +94,30 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let engine = state.engine.clone();
     let stopping = engine.clone();
+    let watched = engine.clone();
     let signal = async move {
-        shutdown.await;
+        let failed = async {
+            while watched.shared.failure().is_none() {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            // A moment of failing health checks lets a load balancer take this server out of
+            // rotation before connections are refused.
+            tokio::time::sleep(FAILED_LINGER).await;
+        };
+        tokio::select! { _ = shutdown => {}, _ = failed => {} }
         stopping.shared.stopping.store(true, Relaxed);
     };
     axum::serve(listener, router(state)).with_graceful_shutdown(signal).await?;
+    let failure = engine.shared.failure();
     tokio::task::spawn_blocking(move || engine.shutdown()).await.ok();
-    Ok(())
+    match failure {
+        Some(f) => Err(std::io::Error::other(f)),
+        None => Ok(()),
+    }
 }
+
+/// How long a server whose engine died keeps answering (503) before it stops.
+pub const FAILED_LINGER: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A server on its own thread and runtime (for benches and tests).
 pub struct ServerHandle {
@@ -143,8 +164,15 @@ pub fn start(state: Arc<AppState>, addr: &str) -> std::io::Result<ServerHandle> 
 
 async fn health(State(s): State<Arc<AppState>>) -> Response {
     let sh = &s.engine.shared;
+    let failure = sh.failure();
+    let status = match (&failure, sh.stopping.load(Relaxed)) {
+        (Some(_), _) => "failed",
+        (None, true) => "stopping",
+        (None, false) => "ok",
+    };
     let body = json!({
-        "status": if sh.stopping.load(Relaxed) { "stopping" } else { "ok" },
+        "status": status,
+        "error": failure,
         "model": s.model_name,
         "drafter": s.drafter_name,
         "policy": s.engine.config.policy.to_string(),
@@ -240,6 +268,9 @@ fn submit_error(e: SubmitError) -> ApiError {
         SubmitError::ShuttingDown => ApiError::invalid(e.to_string(), None)
             .status(StatusCode::SERVICE_UNAVAILABLE)
             .with_code("shutting_down"),
+        SubmitError::EngineFailed(_) => ApiError::invalid(e.to_string(), None)
+            .status(StatusCode::SERVICE_UNAVAILABLE)
+            .with_code("engine_failed"),
         SubmitError::ContextExceeded { .. } => {
             ApiError::invalid(e.to_string(), Some("messages")).with_code("context_length_exceeded")
         }
