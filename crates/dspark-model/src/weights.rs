@@ -81,6 +81,16 @@ impl Weights {
         }
     }
 
+    /// A tensor's shape, rows first (`[out, in]` for a matrix), if the file has it.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        match self {
+            Self::Gguf { content, .. } => content.tensor_infos.get(name).map(|t| t.shape.dims().to_vec()),
+            Self::Hf { tensors, family } => {
+                tensors.get(&Self::hf_name(*family, name)).map(|t| t.dims().to_vec())
+            }
+        }
+    }
+
     fn missing(name: &str) -> ModelError {
         ModelError::Format(format!("the model file lacks tensor `{name}`"))
     }
