@@ -39,6 +39,8 @@ pub enum ModelError {
     Unsupported(String),
     #[error("the sequence needs {needed} positions but the model's context is {context}; shorten the prompt or lower --max-tokens")]
     ContextExceeded { needed: usize, context: usize },
+    #[error("the model produced {0}; its weights are probably corrupt — fetch the model again")]
+    NonFinite(String),
     #[error("KV cache: {0}")]
     Cache(String),
     #[error("bad request: {0}")]
@@ -439,6 +441,14 @@ impl Model {
         } else {
             ops::linear(self.lm_head(), &picked, logit_rows.len())?
         };
+        // NaN logits would otherwise be sampled as some token and printed as text.
+        if let Some(i) = logits.iter().position(|x| !x.is_finite()) {
+            return Err(ModelError::NonFinite(format!(
+                "a non-finite logit ({}) at row {} of the batch",
+                logits[i],
+                i / self.config.vocab_size
+            )));
+        }
         let v = self.config.vocab_size;
         let mut outs = Vec::with_capacity(batch.seqs.len());
         let (mut lo, mut to) = (0, 0);

@@ -262,3 +262,57 @@ fn damaged_sizes_are_named_in_the_error() {
         assert!(err.contains(says), "dim {x}: `{err}` should say `{says}`");
     }
 }
+
+/// Corrupt weights: a NaN in a norm vector or in a quantized block's f16 scale is an error at
+/// load, naming the tensor; finite weights whose logits overflow are an error at the forward
+/// pass, never sampled into text.
+#[test]
+fn corrupt_weights_are_errors_not_text() {
+    use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QTensor};
+    let t = tiny();
+    let w = weights(&t, 7);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.gguf");
+    let md = gguf_parts(&t, &w).0;
+    let swap = |name: &str, q: QTensor| {
+        let mut ts = gguf_parts(&t, &w).1;
+        ts.iter_mut().find(|(n, _)| n == name).unwrap().1 = q;
+        ts
+    };
+    // Quantized: Q8_0 loads, and a NaN scale in one block is refused.
+    let up = &w["model.layers.0.mlp.up_proj.weight"];
+    let q = QTensor::quantize(up, GgmlDType::Q8_0).unwrap();
+    write_gguf_parts(&path, &md, &swap("blk.0.ffn_up.weight", q));
+    assert!(survives(&path, "Q8_0 weights"), "a Q8_0 tensor loads");
+    let q = QTensor::quantize(up, GgmlDType::Q8_0).unwrap();
+    let mut raw = q.data().unwrap().to_vec();
+    raw[34 * 5..34 * 5 + 2].copy_from_slice(&0x7E00u16.to_le_bytes());
+    let bad = qtensor_from_ggml(GgmlDType::Q8_0, &raw, vec![64, 32], &candle_core::Device::Cpu).unwrap();
+    write_gguf_parts(&path, &md, &swap("blk.0.ffn_up.weight", bad));
+    let err = Model::load(&path).err().expect("NaN scale refused").to_string();
+    assert!(err.contains("blk.0.ffn_up.weight") && err.contains("scale (block 5)"), "{err}");
+    // A norm vector.
+    let mut v: Vec<f32> = w["model.norm.weight"].to_vec1().unwrap();
+    v[4] = f32::INFINITY;
+    let norm = candle_core::Tensor::from_vec(v, 32, &candle_core::Device::Cpu).unwrap();
+    write_gguf_parts(
+        &path,
+        &md,
+        &swap("output_norm.weight", QTensor::quantize(&norm, GgmlDType::F32).unwrap()),
+    );
+    let err = Model::load(&path).err().expect("inf norm refused").to_string();
+    assert!(err.contains("output_norm.weight") && err.contains("corrupt"), "{err}");
+    // Finite weights, overflowing logits: the forward pass reports it.
+    let head = candle_core::Tensor::full(3e38f32, (96, 32), &candle_core::Device::Cpu).unwrap();
+    let mut ts = gguf_parts(&t, &w).1;
+    ts.push(("output.weight".into(), QTensor::quantize(&head, GgmlDType::F32).unwrap()));
+    write_gguf_parts(&path, &md, &ts);
+    let m = Model::load(&path).unwrap();
+    let mut cache = m.new_cache(8);
+    let err = m
+        .forward(&mut [SeqInput::logits_all(&mut cache, &[1, 2, 3])], &TapSpec::default())
+        .err()
+        .expect("overflowing logits are an error")
+        .to_string();
+    assert!(err.contains("non-finite logit"), "{err}");
+}
