@@ -90,7 +90,7 @@ impl EngineHandle {
             return Err(SubmitError::Invalid("max_tokens must be at least 1".into()));
         }
         let context = self.target.config.context_length;
-        if prompt.len() + p.max_tokens > context {
+        if prompt.len().saturating_add(p.max_tokens) > context {
             return Err(SubmitError::ContextExceeded {
                 context,
                 prompt: prompt.len(),
@@ -148,7 +148,7 @@ impl EngineHandle {
 const FEED_EVERY: usize = 256;
 
 fn reservation(prompt: usize, max_tokens: usize, gamma: usize, context: usize) -> usize {
-    (prompt + max_tokens + gamma + 1).min(context)
+    prompt.saturating_add(max_tokens).saturating_add(gamma + 1).min(context)
 }
 
 /// Starts the engine thread. A drafter is needed by every policy but `plain`; the
