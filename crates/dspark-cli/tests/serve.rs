@@ -532,3 +532,123 @@ fn a_dead_engine_fails_health_and_stops_the_server_with_an_error() {
     let err = srv.stop().unwrap_err();
     assert!(err.to_string().contains("engine thread panicked"), "{err}");
 }
+
+#[test]
+fn an_api_key_guards_every_v1_route() {
+    let t = target();
+    let engine = dspark_engine::spawn(t.clone(), None, config(Policy::Plain)).unwrap();
+    let state = AppState::new(engine, MODEL, None, 64).with_api_key(Some("s3cret".into()));
+    let srv = dspark_server::start(Arc::new(state), "127.0.0.1:0").unwrap();
+    let base = format!("http://{}", srv.addr);
+    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let call = |path: &str, key: Option<&str>| {
+        let url = format!("{base}{path}");
+        let r = if path == "/v1/models" { ureq::get(&url) } else { ureq::post(&url) };
+        let r = match key {
+            Some(k) => r.set("Authorization", &format!("Bearer {k}")),
+            None => r,
+        };
+        let r = if path == "/v1/models" { r.call() } else { r.send_json(chat.clone()) };
+        match r {
+            Ok(r) => (r.status(), Value::Null),
+            Err(ureq::Error::Status(code, r)) => (code, r.into_json().unwrap()),
+            Err(e) => panic!("{e}"),
+        }
+    };
+    for path in ["/v1/models", "/v1/chat/completions", "/v1/completions"] {
+        for key in [None, Some("wrong"), Some("s3cret-but-longer")] {
+            let (code, v) = call(path, key);
+            assert_eq!((code, &v["error"]["code"]), (401, &json!("invalid_api_key")), "{path} {key:?}: {v}");
+        }
+    }
+    assert_eq!(call("/v1/models", Some("s3cret")).0, 200);
+    assert_eq!(call("/v1/chat/completions", Some("s3cret")).0, 200);
+    assert_eq!(ureq::get(&format!("{base}/health")).call().unwrap().status(), 200, "probes need no key");
+    srv.stop().unwrap();
+}
+
+#[test]
+fn slow_clients_are_cut_off() {
+    let t = target();
+    let engine = dspark_engine::spawn(t.clone(), None, config(Policy::Plain)).unwrap();
+    let timeouts =
+        dspark_server::Timeouts { header: Duration::from_millis(300), body: Duration::from_millis(300) };
+    let state = AppState::new(engine, MODEL, None, 64).with_timeouts(timeouts);
+    let srv = dspark_server::start(Arc::new(state), "127.0.0.1:0").unwrap();
+    // Headers that never end (slowloris): the connection is closed.
+    let mut c = std::net::TcpStream::connect(srv.addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    c.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ").unwrap();
+    let t0 = Instant::now();
+    let mut buf = Vec::new();
+    let _ = c.read_to_end(&mut buf);
+    assert!(t0.elapsed() < Duration::from_secs(5), "a connection with unfinished headers stayed open");
+    // A body that never completes: 408 in OpenAI's error shape.
+    let mut c = std::net::TcpStream::connect(srv.addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    c.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"").unwrap();
+    let mut buf = [0u8; 4096];
+    let n = c.read(&mut buf).unwrap();
+    let text = String::from_utf8_lossy(&buf[..n]);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("did not arrive within"), "{text}");
+    // Ordinary clients are unaffected.
+    let (code, _) = post(
+        &format!("http://{}", srv.addr),
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    );
+    assert_eq!(code, 200);
+    srv.stop().unwrap();
+}
+
+/// `dspark serve`: the first Ctrl-C drains (the request in flight keeps the process alive), a
+/// second one exits at once.
+#[test]
+fn a_second_ctrl_c_stops_the_server_at_once() {
+    use std::process::{Command, Stdio};
+    let dir = tempfile::tempdir().unwrap();
+    let profile = dir.path().join("cost.json");
+    cheap_verify().save(&profile).unwrap();
+    common::model(MODEL);
+    /// Kills the server if the test fails half-way.
+    struct Reap(std::process::Child);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut child = Reap(
+        Command::new(env!("CARGO_BIN_EXE_dspark"))
+            .args(["serve", "--model", MODEL, "--policy", "plain"])
+            .args(["--profile", profile.to_str().unwrap(), "--port", "0"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines = std::io::BufReader::new(child.0.stderr.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines.next().expect("dspark serve printed its address").unwrap();
+        if let Some(rest) = line.split("http://").nth(1) {
+            break rest.split("/v1").next().unwrap().to_string();
+        }
+    };
+    let _stream = open_stream(&addr, 4000);
+    let pid = child.0.id() as i32;
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(pid, libc::SIGINT) };
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(child.0.try_wait().unwrap().is_none(), "the first Ctrl-C waits for the request in flight");
+    unsafe { libc::kill(pid, libc::SIGINT) };
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "the second Ctrl-C did not stop the server");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(130));
+}

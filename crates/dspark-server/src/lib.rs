@@ -27,8 +27,30 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc;
 
+/// How long a client may take to send what it sends: a client that trickles bytes (slowloris)
+/// would otherwise hold a connection and its task forever.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    /// From the connection's first byte (or the previous response) to the end of the headers.
+    pub header: std::time::Duration,
+    /// To receive the whole request body.
+    pub body: std::time::Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self { header: std::time::Duration::from_secs(10), body: std::time::Duration::from_secs(30) }
+    }
+}
+
+/// The largest request body accepted (axum's default limit).
+pub const MAX_BODY: usize = 2 << 20;
+
 pub struct AppState {
     pub engine: Arc<EngineHandle>,
+    /// Clients must send `Authorization: Bearer KEY` on every `/v1` route when set.
+    pub api_key: Option<String>,
+    pub timeouts: Timeouts,
     /// The id clients put in `model`.
     pub model_name: String,
     pub drafter_name: Option<String>,
@@ -48,6 +70,8 @@ impl AppState {
     ) -> Self {
         Self {
             engine,
+            api_key: None,
+            timeouts: Timeouts::default(),
             model_name: model_name.to_string(),
             drafter_name,
             default_max_tokens,
@@ -55,6 +79,18 @@ impl AppState {
             next_id: AtomicU64::new(1),
             started: unix_now(),
         }
+    }
+
+    /// Requires `Authorization: Bearer KEY` on the `/v1` routes; `None` (or an empty key) leaves
+    /// them open.
+    pub fn with_api_key(mut self, key: Option<String>) -> Self {
+        self.api_key = key.filter(|k| !k.is_empty());
+        self
+    }
+
+    pub fn with_timeouts(mut self, t: Timeouts) -> Self {
+        self.timeouts = t;
+        self
     }
 
     fn model(&self) -> &Model {
@@ -67,10 +103,13 @@ fn unix_now() -> u64 {
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let v1 = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), authorize));
+    Router::new()
+        .merge(v1)
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(|| async {
@@ -78,6 +117,57 @@ pub fn router(state: Arc<AppState>) -> Router {
                 .status(StatusCode::NOT_FOUND)
         })
         .with_state(state)
+}
+
+/// Lets a `/v1` request through when the server has no API key or the request carries it.
+/// `/health` and `/metrics` stay open for probes and scrapers.
+async fn authorize(
+    State(s): State<Arc<AppState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(key) = &s.api_key else { return next.run(req).await };
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    if given.is_some_and(|g| same(g.as_bytes(), key.as_bytes())) {
+        return next.run(req).await;
+    }
+    s.metrics.request("rejected");
+    let mut e = ApiError::invalid(
+        "missing or incorrect API key: send `Authorization: Bearer KEY` with the server's --api-key",
+        None,
+    )
+    .status(StatusCode::UNAUTHORIZED)
+    .with_code("invalid_api_key");
+    e.kind = "authentication_error";
+    e.into_response()
+}
+
+/// Compares in time independent of where the inputs differ, so that the key cannot be guessed
+/// byte by byte from response times.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The request body, within the body timeout and size limit.
+async fn read_body(s: &AppState, body: axum::body::Body) -> Result<Bytes, ApiError> {
+    match tokio::time::timeout(s.timeouts.body, axum::body::to_bytes(body, MAX_BODY)).await {
+        Err(_) => Err(ApiError::invalid(
+            format!("the request body did not arrive within {} s", s.timeouts.body.as_secs_f64()),
+            None,
+        )
+        .status(StatusCode::REQUEST_TIMEOUT)),
+        Ok(Err(e)) => Err(ApiError::invalid(
+            format!("cannot read the request body (at most {MAX_BODY} bytes): {e}"),
+            None,
+        )
+        .status(StatusCode::PAYLOAD_TOO_LARGE)),
+        Ok(Ok(b)) => Ok(b),
+    }
 }
 
 /// Serves until `shutdown` resolves, then stops taking requests, lets in-flight ones finish and
@@ -107,13 +197,52 @@ pub async fn serve(
         tokio::select! { _ = shutdown => {}, _ = failed => {} }
         stopping.shared.stopping.store(true, Relaxed);
     };
-    axum::serve(listener, router(state)).with_graceful_shutdown(signal).await?;
+    accept_loop(listener, state, signal).await;
     let failure = engine.shared.failure();
     tokio::task::spawn_blocking(move || engine.shutdown()).await.ok();
     match failure {
         Some(f) => Err(std::io::Error::other(f)),
         None => Ok(()),
     }
+}
+
+/// Accepts connections until `signal`, then lets open ones finish. Like `axum::serve`, plus a
+/// header read timeout (which `axum::serve` does not set).
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    signal: impl Future<Output = ()> + Send + 'static,
+) {
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    use hyper_util::server::conn::auto::Builder;
+    let header_timeout = state.timeouts.header;
+    let app = router(state);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(header_timeout);
+    builder.http2().timer(TokioTimer::new());
+    let mut signal = std::pin::pin!(signal);
+    loop {
+        let stream = tokio::select! {
+            r = listener.accept() => match r {
+                Ok((stream, _)) => stream,
+                // Out of file descriptors and the like: keep serving the connections there are.
+                Err(_) => {
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut signal => break,
+        };
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc).into_owned();
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
 }
 
 /// How long a server whose engine died keeps answering (503) before it stops.
@@ -201,7 +330,11 @@ enum Kind {
     Text,
 }
 
-async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn chat(State(s): State<Arc<AppState>>, body: axum::body::Body) -> Response {
+    let body = match read_body(&s, body).await {
+        Ok(b) => b,
+        Err(e) => return reject(&s, e),
+    };
     let r: Result<_, ApiError> = (|| {
         let req: ChatRequest = openai::parse(&body)?;
         check_model(&s, &req.common.model)?;
@@ -221,7 +354,11 @@ async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     }
 }
 
-async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn completions(State(s): State<Arc<AppState>>, body: axum::body::Body) -> Response {
+    let body = match read_body(&s, body).await {
+        Ok(b) => b,
+        Err(e) => return reject(&s, e),
+    };
     let r: Result<_, ApiError> = (|| {
         let req: CompletionRequest = openai::parse(&body)?;
         check_model(&s, &req.common.model)?;
