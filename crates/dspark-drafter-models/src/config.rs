@@ -279,9 +279,11 @@ impl DrafterConfig {
         if let Some(m) = self.mask_token_id.filter(|&m| m as usize >= self.vocab_size) {
             return bad(format!("mask_token_id {m} is outside the vocabulary of {}", self.vocab_size));
         }
-        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0)
-            || !(self.rope_theta.is_finite() && self.rope_theta > 0.0)
-        {
+        let sane = self.rms_norm_eps.is_finite()
+            && self.rms_norm_eps >= 0.0
+            && self.rope_theta.is_finite()
+            && self.rope_theta > 0.0;
+        if !sane {
             return bad(format!(
                 "rms_norm_eps {} or rope_theta {} is not a positive finite number",
                 self.rms_norm_eps, self.rope_theta

@@ -175,11 +175,12 @@ impl Config {
             return bad(format!("the head size {} is odd (rotary embeddings rotate pairs)", self.head_dim));
         }
         let finite_pos = |x: f32| x.is_finite() && x > 0.0;
-        if !(self.rms_eps.is_finite() && self.rms_eps >= 0.0)
-            || !finite_pos(self.rope_theta)
-            || !finite_pos(self.rope_theta_local)
-            || !finite_pos(self.attn_scale)
-        {
+        let sane = self.rms_eps.is_finite()
+            && self.rms_eps >= 0.0
+            && finite_pos(self.rope_theta)
+            && finite_pos(self.rope_theta_local)
+            && finite_pos(self.attn_scale);
+        if !sane {
             return bad(format!(
                 "norm epsilon {}, rope bases {}/{} or attention scale {} is not a positive finite number",
                 self.rms_eps, self.rope_theta, self.rope_theta_local, self.attn_scale

@@ -250,7 +250,7 @@ impl Model {
                 ))
             };
             let dims = t.shape.dims();
-            if dims.is_empty() || dims.iter().any(|&d| d == 0) {
+            if dims.is_empty() || dims.contains(&0) {
                 return Err(bad(format!("has an empty dimension ({dims:?})")));
             }
             let elems = dims

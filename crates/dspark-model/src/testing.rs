@@ -141,9 +141,12 @@ fn gguf_name(hf: &str, gemma: bool) -> String {
     s.replace("post_attention_layernorm", post)
 }
 
+pub type GgufMetadata = Vec<(String, Value)>;
+pub type GgufTensors = Vec<(String, QTensor)>;
+
 /// The metadata and tensors llama.cpp's converter would write for these weights: GGUF names,
 /// llama q/k permuted, Gemma norms stored as 1 + w.
-pub fn gguf_parts(t: &Tiny, w: &HashMap<String, Tensor>) -> (Vec<(String, Value)>, Vec<(String, QTensor)>) {
+pub fn gguf_parts(t: &Tiny, w: &HashMap<String, Tensor>) -> (GgufMetadata, GgufTensors) {
     let gemma = t.family == "gemma3_text";
     let arch = if gemma { "gemma3" } else { t.family };
     let mut tensors: Vec<(String, QTensor)> = Vec::new();

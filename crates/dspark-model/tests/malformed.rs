@@ -152,7 +152,7 @@ fn mutated_safetensors_and_configs_never_panic() {
         header.as_object().unwrap().keys().filter(|k| *k != "__metadata__").cloned().collect();
     let with_header = |h: &serde_json::Value| {
         let mut text = h.to_string().into_bytes();
-        while text.len() % 8 != 0 {
+        while !text.len().is_multiple_of(8) {
             text.push(b' ');
         }
         let mut b = (text.len() as u64).to_le_bytes().to_vec();
@@ -311,8 +311,7 @@ fn corrupt_weights_are_errors_not_text() {
     let mut cache = m.new_cache(8);
     let err = m
         .forward(&mut [SeqInput::logits_all(&mut cache, &[1, 2, 3])], &TapSpec::default())
-        .err()
-        .expect("overflowing logits are an error")
+        .expect_err("overflowing logits are an error")
         .to_string();
     assert!(err.contains("non-finite logit"), "{err}");
 }
