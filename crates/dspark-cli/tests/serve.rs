@@ -652,3 +652,21 @@ fn a_second_ctrl_c_stops_the_server_at_once() {
     };
     assert_eq!(status.code(), Some(130));
 }
+
+#[test]
+fn requests_during_shutdown_get_503_with_a_message() {
+    let t = target();
+    let (srv, base) = server(&t, config(Policy::Plain));
+    let addr = base.trim_start_matches("http://").to_string();
+    let _busy = open_stream(&addr, 300);
+    let stopper = std::thread::spawn(move || srv.stop());
+    std::thread::sleep(Duration::from_millis(300));
+    let (code, v) = post(
+        &base,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    );
+    assert_eq!((code, &v["error"]["code"]), (503, &json!("shutting_down")), "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("shutting down"), "{v}");
+    stopper.join().unwrap().unwrap();
+}

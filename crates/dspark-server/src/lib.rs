@@ -207,7 +207,9 @@ pub async fn serve(
 }
 
 /// Accepts connections until `signal`, then lets open ones finish. Like `axum::serve`, plus a
-/// header read timeout (which `axum::serve` does not set).
+/// header read timeout (which `axum::serve` does not set), and while the open connections drain,
+/// new ones are still answered (one request each): completions get 503 `shutting_down` with a
+/// message and `/health` says `stopping`, where a closed port would only refuse them.
 async fn accept_loop(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
@@ -215,34 +217,57 @@ async fn accept_loop(
 ) {
     use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
     use hyper_util::server::conn::auto::Builder;
+    use hyper_util::server::graceful::GracefulShutdown;
     let header_timeout = state.timeouts.header;
     let app = router(state);
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let accept = |r: std::io::Result<(tokio::net::TcpStream, SocketAddr)>| match r {
+        Ok((stream, _)) => Some(TokioIo::new(stream)),
+        // Out of file descriptors and the like: keep serving the connections there are.
+        Err(_) => None,
+    };
+    let backoff = || tokio::time::sleep(std::time::Duration::from_millis(50));
     let mut builder = Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(header_timeout);
     builder.http2().timer(TokioTimer::new());
+    let open = GracefulShutdown::new();
     let mut signal = std::pin::pin!(signal);
     loop {
-        let stream = tokio::select! {
-            r = listener.accept() => match r {
-                Ok((stream, _)) => stream,
-                // Out of file descriptors and the like: keep serving the connections there are.
-                Err(_) => {
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+        let io = tokio::select! {
+            r = listener.accept() => accept(r),
             _ = &mut signal => break,
         };
+        let Some(io) = io else {
+            backoff().await;
+            continue;
+        };
         let svc = hyper_util::service::TowerToHyperService::new(app.clone());
-        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc).into_owned();
-        let conn = graceful.watch(conn);
+        let conn = open.watch(builder.serve_connection_with_upgrades(io, svc).into_owned());
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+    }
+    let mut late_builder = Builder::new(TokioExecutor::new()).http1_only();
+    late_builder.http1().timer(TokioTimer::new()).header_read_timeout(header_timeout).keep_alive(false);
+    let late = GracefulShutdown::new();
+    let mut drained = std::pin::pin!(open.shutdown());
+    loop {
+        let io = tokio::select! {
+            r = listener.accept() => accept(r),
+            _ = &mut drained => break,
+        };
+        let Some(io) = io else {
+            backoff().await;
+            continue;
+        };
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        let conn = late.watch(late_builder.serve_connection_with_upgrades(io, svc).into_owned());
         tokio::spawn(async move {
             let _ = conn.await;
         });
     }
     drop(listener);
-    graceful.shutdown().await;
+    // Late connections answer one quick refusal each; a silent one is not waited for long.
+    let _ = tokio::time::timeout(header_timeout, late.shutdown()).await;
 }
 
 /// How long a server whose engine died keeps answering (503) before it stops.
@@ -331,6 +356,7 @@ enum Kind {
 }
 
 async fn chat(State(s): State<Arc<AppState>>, body: axum::body::Body) -> Response {
+    let arrived = Instant::now();
     let body = match read_body(&s, body).await {
         Ok(b) => b,
         Err(e) => return reject(&s, e),
@@ -349,12 +375,13 @@ async fn chat(State(s): State<Arc<AppState>>, body: axum::body::Body) -> Respons
         Ok((prompt, settings))
     })();
     match r {
-        Ok((prompt, settings)) => generate(s, Kind::Chat, prompt, settings).await,
+        Ok((prompt, settings)) => generate(s, Kind::Chat, prompt, settings, arrived).await,
         Err(e) => reject(&s, e),
     }
 }
 
 async fn completions(State(s): State<Arc<AppState>>, body: axum::body::Body) -> Response {
+    let arrived = Instant::now();
     let body = match read_body(&s, body).await {
         Ok(b) => b,
         Err(e) => return reject(&s, e),
@@ -375,7 +402,7 @@ async fn completions(State(s): State<Arc<AppState>>, body: axum::body::Body) -> 
         Ok((prompt, settings))
     })();
     match r {
-        Ok((prompt, settings)) => generate(s, Kind::Text, prompt, settings).await,
+        Ok((prompt, settings)) => generate(s, Kind::Text, prompt, settings, arrived).await,
         Err(e) => reject(&s, e),
     }
 }
@@ -553,8 +580,15 @@ impl Clock {
     }
 }
 
-async fn generate(s: Arc<AppState>, kind: Kind, prompt: Vec<u32>, st: Settings) -> Response {
-    let arrived = Instant::now();
+/// `arrived`: when the request came in, so that time to first token includes reading the body
+/// and tokenizing.
+async fn generate(
+    s: Arc<AppState>,
+    kind: Kind,
+    prompt: Vec<u32>,
+    st: Settings,
+    arrived: Instant,
+) -> Response {
     let model = s.model();
     let context = model.config.context_length;
     let room = context.saturating_sub(prompt.len());
