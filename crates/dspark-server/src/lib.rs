@@ -215,8 +215,8 @@ async fn accept_loop(
     state: Arc<AppState>,
     signal: impl Future<Output = ()> + Send + 'static,
 ) {
-    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-    use hyper_util::server::conn::auto::Builder;
+    use hyper::server::conn::http1::Builder;
+    use hyper_util::rt::{TokioIo, TokioTimer};
     use hyper_util::server::graceful::GracefulShutdown;
     let header_timeout = state.timeouts.header;
     let app = router(state);
@@ -226,9 +226,9 @@ async fn accept_loop(
         Err(_) => None,
     };
     let backoff = || tokio::time::sleep(std::time::Duration::from_millis(50));
-    let mut builder = Builder::new(TokioExecutor::new());
-    builder.http1().timer(TokioTimer::new()).header_read_timeout(header_timeout);
-    builder.http2().timer(TokioTimer::new());
+    // HTTP/1.1 only, as with `axum::serve`'s defaults here.
+    let mut builder = Builder::new();
+    builder.timer(TokioTimer::new()).header_read_timeout(header_timeout);
     let open = GracefulShutdown::new();
     let mut signal = std::pin::pin!(signal);
     loop {
@@ -241,13 +241,13 @@ async fn accept_loop(
             continue;
         };
         let svc = hyper_util::service::TowerToHyperService::new(app.clone());
-        let conn = open.watch(builder.serve_connection_with_upgrades(io, svc).into_owned());
+        let conn = open.watch(builder.serve_connection(io, svc));
         tokio::spawn(async move {
             let _ = conn.await;
         });
     }
-    let mut late_builder = Builder::new(TokioExecutor::new()).http1_only();
-    late_builder.http1().timer(TokioTimer::new()).header_read_timeout(header_timeout).keep_alive(false);
+    let mut late_builder = Builder::new();
+    late_builder.timer(TokioTimer::new()).header_read_timeout(header_timeout).keep_alive(false);
     let late = GracefulShutdown::new();
     let mut drained = std::pin::pin!(open.shutdown());
     loop {
@@ -260,7 +260,7 @@ async fn accept_loop(
             continue;
         };
         let svc = hyper_util::service::TowerToHyperService::new(app.clone());
-        let conn = late.watch(late_builder.serve_connection_with_upgrades(io, svc).into_owned());
+        let conn = late.watch(late_builder.serve_connection(io, svc));
         tokio::spawn(async move {
             let _ = conn.await;
         });
