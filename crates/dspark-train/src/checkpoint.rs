@@ -51,9 +51,11 @@ pub fn commit(tmp: &Path, dest: &Path) -> Result<()> {
     }
     fsync(tmp)?;
     if dest.exists() {
-        // Only a re-save of the same step gets here (e.g. Ctrl-C right after a periodic save):
-        // the two hold the same state, so the old one may go first.
-        std::fs::remove_dir_all(dest).map_err(io(dest))?;
+        // Replacing a committed checkpoint could not be atomic; callers skip steps already saved.
+        return Err(TrainError::Data(format!(
+            "{} already exists; is another run writing to this folder?",
+            dest.display()
+        )));
     }
     std::fs::rename(tmp, dest).map_err(io(dest))?;
     fsync(dest.parent().expect("checkpoints live in a directory"))
