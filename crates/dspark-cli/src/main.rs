@@ -175,6 +175,9 @@ impl DrafterArgs {
         if self.draft_len == Some(0) {
             bail!("--draft-len must be at least 1; use --drafter none for plain decoding");
         }
+        if !(0.0..=1.0).contains(&self.min_survival) {
+            bail!("--min-survival must be between 0 and 1 (got {})", self.min_survival);
+        }
         let gamma = self.draft_len.unwrap_or(3);
         let shipped = shipped_drafter(target_name);
         let spec = match (self.drafter.as_str(), &shipped) {
@@ -212,9 +215,14 @@ pub fn shipped_drafter(target_name: &str) -> Option<PathBuf> {
     dir.join("config.json").exists().then_some(dir)
 }
 
+/// `raw` text is parsed for special tokens (the caller writes the markup); a chat prompt is one
+/// user turn whose text never becomes control tokens.
 pub fn prompt_tokens(model: &Model, text: &str, raw: bool) -> Result<Vec<u32>> {
-    let text = if raw { text.to_string() } else { model.chat_prompt(text)? };
-    Ok(model.tokenizer.encode(&text, true)?)
+    if raw {
+        Ok(model.tokenizer.encode(text, true)?)
+    } else {
+        Ok(model.chat_tokens(text)?)
+    }
 }
 
 fn run_generate(a: GenerateArgs) -> Result<()> {
@@ -224,6 +232,13 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         bail!("--max-tokens must be at least 1");
     }
     let model = Arc::new(a.model.load()?);
+    let context = model.config.context_length;
+    if a.max_tokens > context {
+        bail!(
+            "--max-tokens {} exceeds the model's context of {context} tokens; use at most {context}",
+            a.max_tokens
+        );
+    }
     let prompt = prompt_tokens(&model, &a.prompt, a.raw)?;
     let params = GenerateParams {
         max_tokens: a.max_tokens,
@@ -493,12 +508,33 @@ fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
-fn main() {
-    if let Some(e) = dspark_kernels::kernel_env_error() {
-        eprintln!("error: {e}");
-        std::process::exit(2);
+/// `DSPARK_THREADS`, when set, must be a thread count: a typo should not silently mean "all
+/// cores".
+fn check_env() -> Result<()> {
+    if let Some(v) = std::env::var_os("DSPARK_THREADS") {
+        let v = v.to_string_lossy();
+        match v.trim().parse::<usize>() {
+            Ok(n) if n >= 1 => {}
+            _ => bail!("DSPARK_THREADS={v} is not a number of threads; set a positive integer or unset it"),
+        }
     }
-    if let Err(e) = run(Cli::parse()) {
+    if let Some(e) = dspark_kernels::kernel_env_error() {
+        bail!("{e}");
+    }
+    Ok(())
+}
+
+fn main() {
+    let cli = Cli::parse();
+    if matches!(cli.cmd, Cmd::Generate(_) | Cmd::Tokenize { .. } | Cmd::Models | Cmd::Fetch { .. }) {
+        // These print to stdout for a pipe (`dspark generate … | head`): when the reader goes
+        // away, end quietly as Unix tools do instead of panicking on the failed write.
+        // SAFETY: restoring a signal's default disposition has no preconditions.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
+    if let Err(e) = check_env().and_then(|_| run(cli)) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }

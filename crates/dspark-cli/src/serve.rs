@@ -204,6 +204,10 @@ pub struct ServeArgs {
     /// max_tokens for requests that give none (capped by the context left).
     #[arg(long, default_value_t = 512)]
     pub default_max_tokens: usize,
+    /// Require `Authorization: Bearer KEY` on every /v1 route (401 otherwise); /health and
+    /// /metrics stay open. Default: $DSPARK_API_KEY (prefer it: a flag shows in `ps`).
+    #[arg(long)]
+    pub api_key: Option<String>,
 }
 
 pub fn run_serve(a: ServeArgs) -> Result<()> {
@@ -219,19 +223,28 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
     let cost = a.engine.cost_table(&target, &name, &drafter)?;
     let engine = a.engine.spawn(policy, target, &drafter, cost)?;
     let drafter = drafter.map(|(_, n)| n);
-    let state = Arc::new(dspark_server::AppState::new(engine, &name, drafter.clone(), a.default_max_tokens));
+    let api_key =
+        a.api_key.clone().or_else(|| std::env::var("DSPARK_API_KEY").ok()).filter(|k| !k.is_empty());
+    let state = Arc::new(
+        dspark_server::AppState::new(engine, &name, drafter.clone(), a.default_max_tokens)
+            .with_api_key(api_key.clone()),
+    );
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
         let addr = format!("{}:{}", a.host, a.port);
         let listener =
             tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
         eprintln!(
-            "serving {name} (drafter {}, policy {}) on http://{}/v1 — Ctrl-C stops after in-flight requests finish",
+            "serving {name} (drafter {}, policy {}) on http://{}/v1{} — Ctrl-C stops after in-flight requests finish",
             drafter.as_deref().unwrap_or("none"),
             state.engine.config.policy,
-            listener.local_addr()?
+            listener.local_addr()?,
+            if api_key.is_some() { " (API key required)" } else { "" }
         );
-        dspark_server::serve(listener, state, shutdown_signal()).await?;
+        // An engine failure ends the process with an error: a supervisor restarts it.
+        dspark_server::serve(listener, state, shutdown_signal())
+            .await
+            .context("the server stopped; restart it")?;
         eprintln!("stopped");
         Ok(())
     })
@@ -253,5 +266,25 @@ async fn shutdown_signal() {
     #[cfg(not(unix))]
     let term = std::future::pending::<()>();
     tokio::select! { _ = ctrl_c => {}, _ = term => {} }
-    eprintln!("shutting down: finishing in-flight requests");
+    eprintln!("shutting down: finishing in-flight requests (press Ctrl-C again to stop now)");
+    // A second signal means "now": an operator should never have to reach for kill -9.
+    tokio::spawn(async {
+        let ctrl_c = async {
+            let _ = tokio::signal::ctrl_c().await;
+        };
+        #[cfg(unix)]
+        let term = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(_) => std::future::pending::<()>().await,
+            }
+        };
+        #[cfg(not(unix))]
+        let term = std::future::pending::<()>();
+        tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+        eprintln!("second signal: stopping now, in-flight requests are dropped");
+        std::process::exit(130);
+    });
 }

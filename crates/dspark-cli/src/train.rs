@@ -79,7 +79,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             p
         }
     };
-    if !a.resume && a.out.join("train_state.json").exists() {
+    if !a.resume && dspark_train::checkpoint::has_run(&a.out) {
         bail!(
             "{} already holds a run; pass --resume to continue it or choose another --out",
             a.out.display()

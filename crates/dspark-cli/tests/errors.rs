@@ -102,3 +102,65 @@ fn bad_drafter_checkpoints_and_options() {
     std::fs::write(out.join("config.json"), "{not json").unwrap();
     fails_with(&["generate", "--prompt", "hi", "--drafter", &format!("dflash:{o}")], "config.json");
 }
+
+#[test]
+fn hostile_numbers_and_files_get_clear_errors() {
+    let path = model("smollm2-135m");
+    let p = path.to_str().unwrap();
+    let gen = |extra: &[&str]| {
+        let mut a = vec!["generate", "--model", p, "--prompt", "hi"];
+        a.extend_from_slice(extra);
+        a.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    };
+    let run =
+        |a: Vec<String>, needle: &str| fails_with(&a.iter().map(String::as_str).collect::<Vec<_>>(), needle);
+    run(
+        gen(&["--drafter", "none", "--max-tokens", "18446744073709551615"]),
+        "exceeds the model's context of 8192",
+    );
+    run(gen(&["--drafter", "ngram", "--min-survival", "NaN"]), "--min-survival must be between 0 and 1");
+    fails_with(&["init-drafter", "--block", "100000", "--out", "/nonexistent/d"], "block_size is 100000");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dspark"))
+        .args(gen(&["--drafter", "none"]))
+        .env("DSPARK_THREADS", "abc")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("DSPARK_THREADS=abc"), "{err}");
+    for (v, want) in [("bogus", "is not a kernel path"), ("avx512-vnni-nope", "is not a kernel path")] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_dspark"))
+            .args(gen(&["--drafter", "none"]))
+            .env("DSPARK_KERNELS", v)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(want), "DSPARK_KERNELS={v}: {err}");
+    }
+    // A FIFO as the model would block the read forever.
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("model.gguf");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    fails_with(&["generate", "--model", fifo.to_str().unwrap(), "--prompt", "hi"], "not a regular file");
+}
+
+#[test]
+fn a_closed_pipe_ends_generate_quietly() {
+    use std::io::Read;
+    use std::process::{Command, Stdio};
+    let path = model("smollm2-135m");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dspark"))
+        .args(["generate", "--model", path.to_str().unwrap(), "--prompt", "Count to 100."])
+        .args(["--max-tokens", "64", "--drafter", "none"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 1];
+    child.stdout.take().unwrap().read_exact(&mut first).unwrap(); // then the pipe closes
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    child.wait().unwrap();
+    assert!(!err.contains("panicked"), "{err}");
+}

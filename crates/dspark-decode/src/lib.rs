@@ -91,7 +91,7 @@ pub fn generate(
     params.sampling.validate()?;
     check_prompt(model, prompt)?;
     let context = model.config.context_length;
-    let capacity = (prompt.len() + params.max_tokens).min(context);
+    let capacity = prompt.len().saturating_add(params.max_tokens).min(context);
     let mut cache = model.new_cache(capacity);
     let mut sampler = Sampler::new(params.seed);
     let mut stats = Stats { prompt_tokens: prompt.len(), ..Default::default() };

@@ -6,6 +6,14 @@ use dspark_model::{Family, Model};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+/// Largest size a drafter may declare (as for targets).
+pub const MAX_DIM: usize = dspark_model::config::MAX_DIM;
+/// Most tokens one block drafts: far above any useful γ, small enough that a block's buffers stay
+/// small.
+pub const MAX_BLOCK: usize = 256;
+/// Most decoder layers (and target layers read) of a drafter.
+pub const MAX_LAYERS: usize = 1024;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Method {
@@ -213,6 +221,80 @@ impl DrafterConfig {
                 "drafters for `{other}` targets are not supported (llama, qwen2 and qwen3 are)"
             ))),
         }
+    }
+
+    /// Checks every size and count before anything is allocated from them: a damaged or
+    /// hand-edited config must be an error, not a 360 GB allocation or a division by zero.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: String| {
+            Err(DrafterError::Config(format!(
+                "{what}; the drafter's config.json is damaged — make a new one with `dspark init-drafter`"
+            )))
+        };
+        for (name, v) in [
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("vocab_size", self.vocab_size),
+            ("draft_vocab_size", self.draft_vocab()),
+        ] {
+            if v == 0 || v > MAX_DIM {
+                return bad(format!("{name} is {v} (must be between 1 and {MAX_DIM})"));
+            }
+        }
+        if self.num_hidden_layers > MAX_LAYERS {
+            return bad(format!("num_hidden_layers is {} (at most {MAX_LAYERS})", self.num_hidden_layers));
+        }
+        if self.block_size == 0 || self.block_size > MAX_BLOCK || self.gamma() == 0 {
+            return bad(format!(
+                "block_size is {} (a block drafts between 1 and {MAX_BLOCK} tokens)",
+                self.block_size
+            ));
+        }
+        if self.markov_rank > MAX_DIM {
+            return bad(format!("markov_rank is {} (at most {MAX_DIM})", self.markov_rank));
+        }
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
+            return bad(format!(
+                "{} attention heads cannot share {} key/value heads",
+                self.num_attention_heads, self.num_key_value_heads
+            ));
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            return bad(format!("head_dim {} is odd (rotary embeddings rotate pairs)", self.head_dim));
+        }
+        if self.draft_vocab() > self.vocab_size {
+            return bad(format!(
+                "draft_vocab_size {} exceeds vocab_size {}",
+                self.draft_vocab(),
+                self.vocab_size
+            ));
+        }
+        if self.target_layer_ids.is_empty() || self.target_layer_ids.len() > MAX_LAYERS {
+            return bad(format!("target_layer_ids has {} entries", self.target_layer_ids.len()));
+        }
+        if let Some(m) = self.mask_token_id.filter(|&m| m as usize >= self.vocab_size) {
+            return bad(format!("mask_token_id {m} is outside the vocabulary of {}", self.vocab_size));
+        }
+        let sane = self.rms_norm_eps.is_finite()
+            && self.rms_norm_eps >= 0.0
+            && self.rope_theta.is_finite()
+            && self.rope_theta > 0.0;
+        if !sane {
+            return bad(format!(
+                "rms_norm_eps {} or rope_theta {} is not a positive finite number",
+                self.rms_norm_eps, self.rope_theta
+            ));
+        }
+        if let Some(t) = self.ext().calibration_temperatures {
+            if t.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
+                return bad(format!("calibration_temperatures {t:?} are not all positive and finite"));
+            }
+        }
+        Ok(())
     }
 
     /// Refuses a drafter made for another target, naming what differs.

@@ -118,7 +118,10 @@ pub fn read_config(dir: &Path) -> Result<DrafterConfig> {
             path.display()
         ))
     })?;
-    serde_json::from_str(&text).map_err(|e| DrafterError::Checkpoint(format!("{}: {e}", path.display())))
+    let c: DrafterConfig = serde_json::from_str(&text)
+        .map_err(|e| DrafterError::Checkpoint(format!("{}: {e}", path.display())))?;
+    c.validate().map_err(|e| DrafterError::Config(format!("{}: {e}", path.display())))?;
+    Ok(c)
 }
 
 /// Loads a drafter for `target` (named `target_name` in messages), refusing one built for
@@ -128,11 +131,13 @@ pub fn load(dir: &Path, target: Arc<Model>, target_name: &str) -> Result<Drafter
     config.family()?;
     config.check_target(&target, &TargetId::of(&target, target_name))?;
     let store = Store::load(&dir.join("model.safetensors"))?;
+    store.check_finite()?;
     from_store(config, &store, target)
 }
 
 /// Builds a drafter from named tensors (a checkpoint, a fresh initialisation, training variables).
 pub fn from_store(config: DrafterConfig, store: &Store, target: Arc<Model>) -> Result<DrafterNet> {
+    config.validate()?;
     let vocab = DraftVocab::load(store, &config)?;
     Ok(match config.ext().method {
         Method::Eagle3 => DrafterNet::Eagle3(Eagle3Model::new(config, store, vocab, target)?),
@@ -322,6 +327,7 @@ pub fn init_config(target: &Model, target_name: &str, o: &InitOptions) -> Result
 /// A randomly initialised drafter (what training starts from, and what tests use).
 pub fn init(target: Arc<Model>, target_name: &str, o: &InitOptions) -> Result<DrafterNet> {
     let config = init_config(&target, target_name, o)?;
+    config.validate()?;
     let vocab = DraftVocab::new(o.draft_vocab.clone(), target.config.vocab_size)?;
     let map = match o.method {
         Method::Eagle3 => {

@@ -21,6 +21,24 @@ impl Store {
         Ok(Self { map: map.into_iter().collect(), source: path.display().to_string() })
     }
 
+    /// Refuses weights with NaN or infinite values: a drafter built from them would propose
+    /// garbage (or fail in the sampler) on every round.
+    pub fn check_finite(&self) -> Result<()> {
+        for (name, t) in &self.map {
+            if !t.dtype().is_float() {
+                continue;
+            }
+            let v: Vec<f32> = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+            if let Some(x) = v.iter().find(|x| !x.is_finite()) {
+                return Err(DrafterError::Checkpoint(format!(
+                    "{}: tensor `{name}` holds {x}; the checkpoint is corrupt — train or fetch it again",
+                    self.source
+                )));
+            }
+        }
+        Ok(())
+    }
+
     pub fn from_map(map: BTreeMap<String, Tensor>, source: &str) -> Self {
         Self { map, source: source.to_string() }
     }

@@ -396,3 +396,60 @@ fn draft_caches_after_rounds_with_rejections_equal_caches_rebuilt_from_scratch()
     assert_tensors_close(&c.kv().unwrap().0, &b.kv().unwrap().0, "EAGLE-3 chunked keys");
     assert_tensors_close(c.last().unwrap(), b.last().unwrap(), "EAGLE-3 chunked last output");
 }
+
+/// Damaged drafter configs and weights are refused at load with a message, before anything is
+/// allocated from them: `block_size = 100000` (360 GB), no layers, NaN weights; so is a fresh
+/// drafter with an absurd block (`dspark init-drafter --block 100000`).
+#[test]
+fn damaged_drafter_checkpoints_are_refused_before_allocating() {
+    let tdir = tempfile::tempdir().unwrap();
+    let t = target(tdir.path(), "llama", 1);
+    let mut huge = opts(Method::Dspark, HeadKind::Markov, None, BlockLayout::Dspark);
+    huge.gamma = 100_000;
+    let err = dspark_drafter_models::init(t.clone(), "tiny", &huge).err().expect("refused").to_string();
+    assert!(err.contains("block_size is 100000"), "{err}");
+    let good = tempfile::tempdir().unwrap();
+    dspark_drafter_models::init(
+        t.clone(),
+        "tiny",
+        &opts(Method::Dspark, HeadKind::Markov, None, BlockLayout::Dspark),
+    )
+    .unwrap()
+    .save(good.path())
+    .unwrap();
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(good.path().join("config.json")).unwrap()).unwrap();
+    for (key, v, says) in [
+        ("block_size", serde_json::json!(100_000), "block_size is 100000"),
+        ("block_size", serde_json::json!(0), "block_size is 0"),
+        ("num_hidden_layers", serde_json::json!(0), "num_hidden_layers is 0"),
+        ("num_key_value_heads", serde_json::json!(0), "num_key_value_heads is 0"),
+        ("num_key_value_heads", serde_json::json!(3), "cannot share"),
+        ("hidden_size", serde_json::json!(1u64 << 40), "hidden_size is"),
+        ("target_layer_ids", serde_json::json!([]), "target_layer_ids"),
+        ("mask_token_id", serde_json::json!(1_000_000), "mask_token_id"),
+    ] {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::copy(good.path().join("model.safetensors"), d.path().join("model.safetensors")).unwrap();
+        let mut c = cfg.clone();
+        c[key] = v;
+        std::fs::write(d.path().join("config.json"), c.to_string()).unwrap();
+        let err =
+            dspark_drafter_models::load(d.path(), t.clone(), "tiny").err().expect("refused").to_string();
+        assert!(err.contains(says) && err.contains("init-drafter"), "{key}: `{err}` should say `{says}`");
+    }
+    // NaN in a weight.
+    let mut map: std::collections::HashMap<String, Tensor> =
+        candle_core::safetensors::load(good.path().join("model.safetensors"), &candle_core::Device::Cpu)
+            .unwrap();
+    let name = map.keys().find(|k| k.contains("layers.0") && k.ends_with("weight")).unwrap().clone();
+    let w = &map[&name];
+    let mut v: Vec<f32> =
+        w.to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    v[3] = f32::NAN;
+    let nan = Tensor::from_vec(v, w.dims(), &candle_core::Device::Cpu).unwrap().to_dtype(w.dtype()).unwrap();
+    map.insert(name.clone(), nan);
+    candle_core::safetensors::save(&map, good.path().join("model.safetensors")).unwrap();
+    let err = dspark_drafter_models::load(good.path(), t, "tiny").err().expect("NaN refused").to_string();
+    assert!(err.contains(&name) && err.contains("NaN"), "{err}");
+}

@@ -53,11 +53,22 @@ pub struct Shared {
     pub cancelled: AtomicU64,
     pub stopping: AtomicBool,
     pub calibration: Mutex<Vec<TrackStatus>>,
+    /// Why the engine thread died (a panic), if it did. Nothing is served after that: the
+    /// server reports it on `/health` and exits non-zero so that a supervisor restarts it.
+    pub failure: Mutex<Option<String>>,
+}
+
+impl Shared {
+    pub fn failure(&self) -> Option<String> {
+        self.failure.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
 }
 
 enum Msg {
     Submit(Request, Instant),
     Shutdown,
+    /// Test hook: panic in the engine thread, as a bug in a step would.
+    Panic,
 }
 
 pub struct EngineHandle {
@@ -79,7 +90,7 @@ impl EngineHandle {
             return Err(SubmitError::Invalid("max_tokens must be at least 1".into()));
         }
         let context = self.target.config.context_length;
-        if prompt.len() + p.max_tokens > context {
+        if prompt.len().saturating_add(p.max_tokens) > context {
             return Err(SubmitError::ContextExceeded {
                 context,
                 prompt: prompt.len(),
@@ -99,6 +110,9 @@ impl EngineHandle {
     /// Queues a request; its tokens arrive on `req.events`.
     pub fn submit(&self, req: Request) -> Result<(), SubmitError> {
         self.check(&req.prompt, &req.params)?;
+        if let Some(f) = self.shared.failure() {
+            return Err(SubmitError::EngineFailed(f));
+        }
         if self.shared.stopping.load(Relaxed) {
             return Err(SubmitError::ShuttingDown);
         }
@@ -110,8 +124,14 @@ impl EngineHandle {
         let sent = self.tx.lock().unwrap().send(Msg::Submit(req, Instant::now()));
         sent.map_err(|_| {
             self.shared.queued.fetch_sub(1, Relaxed);
-            SubmitError::ShuttingDown
+            self.shared.failure().map_or(SubmitError::ShuttingDown, SubmitError::EngineFailed)
         })
+    }
+
+    /// Makes the engine thread panic, as a bug would (tests of what the server does then).
+    #[doc(hidden)]
+    pub fn inject_panic(&self) {
+        let _ = self.tx.lock().unwrap().send(Msg::Panic);
     }
 
     /// Stops accepting requests, lets running and queued ones finish, then stops the thread.
@@ -128,7 +148,7 @@ impl EngineHandle {
 const FEED_EVERY: usize = 256;
 
 fn reservation(prompt: usize, max_tokens: usize, gamma: usize, context: usize) -> usize {
-    (prompt + max_tokens + gamma + 1).min(context)
+    prompt.saturating_add(max_tokens).saturating_add(gamma + 1).min(context)
 }
 
 /// Starts the engine thread. A drafter is needed by every policy but `plain`; the
@@ -177,9 +197,24 @@ pub fn spawn(
         shared: shared.clone(),
         next_id: 0,
     };
+    let dead = shared.clone();
     let thread = std::thread::Builder::new()
         .name("dspark-engine".into())
-        .spawn(move || worker.run(rx))
+        .spawn(move || {
+            // A panic drops the running requests (their clients see the stream end); what is
+            // left to do is to record it so that nobody mistakes the server for a healthy one.
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| worker.run(rx)));
+            if let Err(p) = r {
+                let msg = p
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| p.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "panic".into());
+                *dead.failure.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some(format!("engine thread panicked: {msg}"));
+                dead.stopping.store(true, Relaxed);
+            }
+        })
         .map_err(|e| SubmitError::Invalid(format!("cannot start the engine thread: {e}")))?;
     Ok(Arc::new(EngineHandle {
         tx: Mutex::new(tx),
@@ -296,6 +331,7 @@ impl Worker {
         match m {
             Msg::Submit(r, t) => queue.push_back((r, t)),
             Msg::Shutdown => *stopping = true,
+            Msg::Panic => panic!("injected by EngineHandle::inject_panic"),
         }
     }
 

@@ -77,6 +77,8 @@ pub enum SubmitError {
     QueueFull(usize),
     #[error("the server is shutting down; no new requests are accepted")]
     ShuttingDown,
+    #[error("the engine failed ({0}); the server is stopping — restart it")]
+    EngineFailed(String),
     #[error(
         "this model's maximum context length is {context} tokens, but {prompt} prompt tokens plus \
          max_tokens {max_tokens} were requested; shorten the prompt or lower max_tokens"

@@ -87,10 +87,7 @@ pub fn evaluate(
     let context = target.config.context_length;
     for (b, bench) in benches.iter().enumerate() {
         for (i, text) in bench.prompts.iter().enumerate() {
-            let prompt = target
-                .tokenizer
-                .encode(&target.chat_prompt(text).map_err(|e| EvalError::Other(e.to_string()))?, true)
-                .map_err(|e| EvalError::Other(e.to_string()))?;
+            let prompt = target.chat_tokens(text).map_err(|e| EvalError::Other(e.to_string()))?;
             if prompt.len() + cfg.max_tokens + 16 > context {
                 report.skipped[b] += 1;
                 continue;

@@ -28,6 +28,10 @@ impl Family {
     }
 }
 
+/// The largest size or count a model may declare (2^24): far above any real model's, and small
+/// enough that products of three never overflow.
+pub const MAX_DIM: usize = 1 << 24;
+
 #[derive(Debug, Clone)]
 pub struct Config {
     pub family: Family,
@@ -79,29 +83,46 @@ impl Config {
         let need = |key: &str| -> Result<f64> {
             get(key).ok_or_else(|| ModelError::Format(format!("GGUF lacks `{arch}.{key}`")))
         };
-        let hidden = need("embedding_length")? as usize;
-        let n_heads = need("attention.head_count")? as usize;
-        let n_kv_heads = get("attention.head_count_kv").map(|x| x as usize).unwrap_or(n_heads);
-        let head_dim = get("attention.key_length").map(|x| x as usize).unwrap_or(hidden / n_heads);
+        // Counts and sizes must be whole numbers in range before anything is derived from them.
+        let as_count = |key: &str, v: f64| -> Result<usize> {
+            if v.is_finite() && v >= 0.0 && v.fract() == 0.0 && v <= MAX_DIM as f64 {
+                Ok(v as usize)
+            } else {
+                Err(ModelError::Format(format!(
+                    "GGUF `{arch}.{key}` = {v} is not a valid size; the file is damaged or not a model \
+                     (fetch it again)"
+                )))
+            }
+        };
+        let count = |key: &str| -> Result<usize> { as_count(key, need(key)?) };
+        let count_or = |key: &str, default: usize| -> Result<usize> {
+            get(key).map_or(Ok(default), |v| as_count(key, v))
+        };
+        let hidden = count("embedding_length")?;
+        let n_heads = count("attention.head_count")?;
+        if n_heads == 0 {
+            return Err(ModelError::Format(format!(
+                "GGUF `{arch}.attention.head_count` is 0; the file is damaged or not a model (fetch it again)"
+            )));
+        }
+        let n_kv_heads = count_or("attention.head_count_kv", n_heads)?;
+        let head_dim = count_or("attention.key_length", hidden / n_heads)?;
         let vocab_size = match get("vocab_size") {
-            Some(v) => v as usize,
+            Some(v) => as_count("vocab_size", v)?,
             None => content
                 .tensor_infos
                 .get("token_embd.weight")
                 .map(|t| t.shape.dims()[0])
                 .ok_or_else(|| ModelError::Format("GGUF lacks token_embd.weight".into()))?,
         };
-        let sliding_window = if family == Family::Gemma3 {
-            Some(get("attention.sliding_window").map(|x| x as usize).unwrap_or(512))
-        } else {
-            None
-        };
-        Ok(Self {
+        let sliding_window =
+            if family == Family::Gemma3 { Some(count_or("attention.sliding_window", 512)?) } else { None };
+        let c = Self {
             family,
             vocab_size,
             hidden,
-            intermediate: need("feed_forward_length")? as usize,
-            n_layers: need("block_count")? as usize,
+            intermediate: count("feed_forward_length")?,
+            n_layers: count("block_count")?,
             n_heads,
             n_kv_heads,
             head_dim,
@@ -109,12 +130,63 @@ impl Config {
             rope_theta: get("rope.freq_base").unwrap_or(10_000.0) as f32,
             rope_theta_local: 10_000.0,
             rope_interleaved: family == Family::Llama,
-            context_length: get("context_length").map(|x| x as usize).unwrap_or(4096),
+            context_length: count_or("context_length", 4096)?,
             sliding_window,
             sliding_pattern: 6,
             norm_adds_one: false,
             attn_scale: 1.0 / (head_dim as f32).sqrt(),
-        })
+        };
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Checks every size and count before anything is allocated or indexed with them: a
+    /// damaged file must be an error, not a division by zero, an out-of-bounds slice or an
+    /// allocation of terabytes. (Tensor shapes are checked against these at load.)
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: String| {
+            Err(ModelError::Format(format!(
+                "{what}; the model file (or config.json) is damaged or not supported — fetch it again"
+            )))
+        };
+        for (name, v) in [
+            ("vocab size", self.vocab_size),
+            ("hidden size", self.hidden),
+            ("feed-forward size", self.intermediate),
+            ("layer count", self.n_layers),
+            ("attention head count", self.n_heads),
+            ("key/value head count", self.n_kv_heads),
+            ("head size", self.head_dim),
+            ("context length", self.context_length),
+            ("sliding-window pattern", self.sliding_pattern),
+            ("sliding window", self.sliding_window.unwrap_or(1)),
+        ] {
+            if v == 0 || v > MAX_DIM {
+                return bad(format!("the {name} is {v} (must be between 1 and {MAX_DIM})"));
+            }
+        }
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            return bad(format!(
+                "{} attention heads cannot share {} key/value heads (the first must be a multiple of the second)",
+                self.n_heads, self.n_kv_heads
+            ));
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            return bad(format!("the head size {} is odd (rotary embeddings rotate pairs)", self.head_dim));
+        }
+        let finite_pos = |x: f32| x.is_finite() && x > 0.0;
+        let sane = self.rms_eps.is_finite()
+            && self.rms_eps >= 0.0
+            && finite_pos(self.rope_theta)
+            && finite_pos(self.rope_theta_local)
+            && finite_pos(self.attn_scale);
+        if !sane {
+            return bad(format!(
+                "norm epsilon {}, rope bases {}/{} or attention scale {} is not a positive finite number",
+                self.rms_eps, self.rope_theta, self.rope_theta_local, self.attn_scale
+            ));
+        }
+        Ok(())
     }
 
     pub fn from_hf_json(text: &str) -> Result<Self> {
@@ -126,6 +198,11 @@ impl Config {
             _ => return Err(ModelError::Format("config.json has no `model_type`".into())),
         };
         let family = Family::from_arch(&arch)?;
+        if c.num_attention_heads == 0 {
+            return Err(ModelError::Format(
+                "config.json: num_attention_heads is 0; the model directory is damaged".into(),
+            ));
+        }
         let n_kv_heads = c.num_key_value_heads.unwrap_or(c.num_attention_heads);
         let head_dim = c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads);
         let is_gemma = family == Family::Gemma3;
@@ -133,7 +210,7 @@ impl Config {
             (true, Some(s)) => 1.0 / (s as f32).sqrt(),
             _ => 1.0 / (head_dim as f32).sqrt(),
         };
-        Ok(Self {
+        let cfg = Self {
             family,
             vocab_size: c.vocab_size,
             hidden: c.hidden_size,
@@ -151,7 +228,9 @@ impl Config {
             sliding_pattern: c.sliding_window_pattern.unwrap_or(6),
             norm_adds_one: is_gemma,
             attn_scale,
-        })
+        };
+        cfg.validate()?;
+        Ok(cfg)
     }
 }
 

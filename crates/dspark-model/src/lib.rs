@@ -39,6 +39,8 @@ pub enum ModelError {
     Unsupported(String),
     #[error("the sequence needs {needed} positions but the model's context is {context}; shorten the prompt or lower --max-tokens")]
     ContextExceeded { needed: usize, context: usize },
+    #[error("the model produced {0}; its weights are probably corrupt — fetch the model again")]
+    NonFinite(String),
     #[error("KV cache: {0}")]
     Cache(String),
     #[error("bad request: {0}")]
@@ -129,6 +131,80 @@ fn template(src: &str, tokenizer: &Tokenizer) -> Result<ChatTemplate> {
     Ok(ChatTemplate::new(src, &text(tokenizer.bos()), &text(tokenizer.eos().first().copied()))?)
 }
 
+/// Opens a model file, refusing what is not a regular file (a FIFO would block the read
+/// forever, a device would stream without end).
+fn open_regular(path: &Path) -> Result<std::fs::File> {
+    let meta = std::fs::metadata(path).map_err(|e| ModelError::io(path, e))?;
+    if !meta.is_file() {
+        return Err(ModelError::Format(format!(
+            "{} is not a regular file; give a .gguf file or a model directory",
+            path.display()
+        )));
+    }
+    std::fs::File::open(path).map_err(|e| ModelError::io(path, e))
+}
+
+/// Every tensor the model reads has the shape the config implies, so that the forward pass never
+/// indexes past a weight (and a config that claims 10⁹ layers fails at the first missing one).
+fn check_shapes(c: &Config, w: &Weights) -> Result<()> {
+    let (d, q, kv) = (c.hidden, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+    let check = |name: &str, want: &[usize], required: bool| -> Result<()> {
+        match w.shape(name) {
+            None if required => {
+                Err(ModelError::Format(format!("the model file lacks tensor `{name}`; fetch it again")))
+            }
+            None => Ok(()),
+            Some(got) => {
+                let ok = if want.len() == 1 {
+                    got.iter().product::<usize>() == want[0] && got.iter().filter(|&&x| x != 1).count() <= 1
+                } else {
+                    got == want
+                };
+                if ok {
+                    Ok(())
+                } else {
+                    Err(ModelError::Format(format!(
+                        "tensor `{name}` has shape {got:?} but the model's config implies {want:?}; the file is \
+                         damaged or its metadata does not match its weights"
+                    )))
+                }
+            }
+        }
+    };
+    check("token_embd.weight", &[c.vocab_size, d], true)?;
+    check("output.weight", &[c.vocab_size, d], false)?;
+    check("output_norm.weight", &[d], true)?;
+    let gemma = c.family == Family::Gemma3;
+    for i in 0..c.n_layers {
+        let n = |s: &str| format!("blk.{i}.{s}");
+        for (s, want) in [
+            ("attn_norm.weight", vec![d]),
+            ("attn_q.weight", vec![q, d]),
+            ("attn_k.weight", vec![kv, d]),
+            ("attn_v.weight", vec![kv, d]),
+            ("attn_output.weight", vec![d, q]),
+            ("ffn_norm.weight", vec![d]),
+            ("ffn_gate.weight", vec![c.intermediate, d]),
+            ("ffn_up.weight", vec![c.intermediate, d]),
+            ("ffn_down.weight", vec![d, c.intermediate]),
+        ] {
+            check(&n(s), &want, true)?;
+        }
+        for (s, want) in [
+            ("attn_q.bias", q),
+            ("attn_k.bias", kv),
+            ("attn_v.bias", kv),
+            ("attn_q_norm.weight", c.head_dim),
+            ("attn_k_norm.weight", c.head_dim),
+            ("post_attention_norm.weight", d),
+            ("post_ffw_norm.weight", d),
+        ] {
+            check(&n(s), &[want], gemma && !s.contains("bias"))?;
+        }
+    }
+    Ok(())
+}
+
 enum Arch {
     Llama(llama::Llama),
     Gemma3(gemma3::Gemma3),
@@ -154,20 +230,48 @@ impl Model {
     }
 
     pub fn load_gguf(path: &Path) -> Result<Self> {
-        let mut f = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
-        let content = gguf_file::Content::read(&mut f).map_err(|e| {
+        let mut f = open_regular(path)?;
+        let not_gguf = |e: &dyn std::fmt::Display| {
             ModelError::Format(format!("{} is not a readable GGUF file: {e}", path.display()))
-        })?;
+        };
+        // The GGUF reader is a dependency: a header it does not expect must be an error here, not
+        // a crash (it divides by `general.alignment`, for one).
+        let content =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| gguf_file::Content::read(&mut f)))
+                .map_err(|_| not_gguf(&"its header is malformed"))?
+                .map_err(|e| not_gguf(&e))?;
         let file_len = f.metadata().map_err(|e| ModelError::io(path, e))?.len();
-        let needed = content
-            .tensor_infos
-            .values()
-            .map(|t| {
-                let n = t.shape.elem_count() / t.ggml_dtype.block_size() * t.ggml_dtype.type_size();
-                content.tensor_data_offset + t.offset + n as u64
-            })
-            .max()
-            .unwrap_or(0);
+        let mut needed = 0u64;
+        for (name, t) in &content.tensor_infos {
+            let bad = |what: String| {
+                ModelError::Format(format!(
+                    "{}: tensor `{name}` {what}; the file is damaged — fetch it again",
+                    path.display()
+                ))
+            };
+            let dims = t.shape.dims();
+            if dims.is_empty() || dims.contains(&0) {
+                return Err(bad(format!("has an empty dimension ({dims:?})")));
+            }
+            let elems = dims
+                .iter()
+                .try_fold(1u64, |n, &d| n.checked_mul(d as u64))
+                .filter(|&n| n <= file_len.saturating_mul(8))
+                .ok_or_else(|| bad(format!("has impossible dimensions {dims:?}")))?;
+            let block = t.ggml_dtype.block_size() as u64;
+            if !elems.is_multiple_of(block) || !(dims[dims.len() - 1] as u64).is_multiple_of(block) {
+                return Err(bad(format!(
+                    "has rows of {} values, not whole blocks of {block}",
+                    dims[dims.len() - 1]
+                )));
+            }
+            let end = (elems / block)
+                .checked_mul(t.ggml_dtype.type_size() as u64)
+                .and_then(|n| n.checked_add(t.offset))
+                .and_then(|n| n.checked_add(content.tensor_data_offset))
+                .ok_or_else(|| bad("lies past any file".into()))?;
+            needed = needed.max(end);
+        }
         if needed > file_len {
             return Err(ModelError::Format(format!(
                 "{} is truncated: its tensors need {needed} bytes but the file has {file_len}; fetch it again",
@@ -226,6 +330,7 @@ impl Model {
         chat_template: Option<ChatTemplate>,
         w: &Weights,
     ) -> Result<Self> {
+        check_shapes(&config, w)?;
         let arch = match config.family {
             Family::Llama => Arch::Llama(llama::Llama::load(&config, w)?),
             Family::Qwen2 => Arch::Llama(qwen2::load(&config, w)?),
@@ -336,6 +441,14 @@ impl Model {
         } else {
             ops::linear(self.lm_head(), &picked, logit_rows.len())?
         };
+        // NaN logits would otherwise be sampled as some token and printed as text.
+        if let Some(i) = logits.iter().position(|x| !x.is_finite()) {
+            return Err(ModelError::NonFinite(format!(
+                "a non-finite logit ({}) at row {} of the batch",
+                logits[i],
+                i / self.config.vocab_size
+            )));
+        }
         let v = self.config.vocab_size;
         let mut outs = Vec::with_capacity(batch.seqs.len());
         let (mut lo, mut to) = (0, 0);
@@ -360,8 +473,28 @@ impl Model {
         Ok(outs)
     }
 
+    /// The prompt ids of one user turn: see [`Self::encode_chat`].
+    pub fn chat_tokens(&self, user: &str) -> Result<Vec<u32>> {
+        self.encode_chat(&[dspark_tokenizer::ChatMessage::new("user", user)])
+    }
+
+    /// The prompt ids of a conversation through the chat template, the assistant's turn opened;
+    /// models without a template get the contents joined by newlines. Message text is never
+    /// parsed for special tokens: only the template's markup makes control tokens, so a message
+    /// cannot forge another turn.
+    pub fn encode_chat(&self, messages: &[dspark_tokenizer::ChatMessage]) -> Result<Vec<u32>> {
+        match &self.chat_template {
+            Some(t) => Ok(t.encode(&self.tokenizer, messages, true)?),
+            None => {
+                let text = messages.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n");
+                Ok(self.tokenizer.encode(&text, false)?)
+            }
+        }
+    }
+
     /// The prompt text for one user turn through the chat template (generation prompt opened),
-    /// or the raw text for models without a template.
+    /// or the raw text for models without a template. For display: tokenize prompts with
+    /// [`Self::chat_tokens`], which keeps special-token text in the message as text.
     pub fn chat_prompt(&self, user: &str) -> Result<String> {
         match &self.chat_template {
             Some(t) => Ok(t.render(&[dspark_tokenizer::ChatMessage::new("user", user)], true)?),

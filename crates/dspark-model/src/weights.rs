@@ -3,6 +3,7 @@
 use crate::config::Family;
 use crate::{ModelError, Result};
 use candle_core::quantized::gguf_file::Content;
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use dspark_kernels::{KernelChoice, QLinear};
 use std::collections::HashMap;
@@ -81,6 +82,16 @@ impl Weights {
         }
     }
 
+    /// A tensor's shape, rows first (`[out, in]` for a matrix), if the file has it.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        match self {
+            Self::Gguf { content, .. } => content.tensor_infos.get(name).map(|t| t.shape.dims().to_vec()),
+            Self::Hf { tensors, family } => {
+                tensors.get(&Self::hf_name(*family, name)).map(|t| t.dims().to_vec())
+            }
+        }
+    }
+
     fn missing(name: &str) -> ModelError {
         ModelError::Format(format!("the model file lacks tensor `{name}`"))
     }
@@ -95,10 +106,12 @@ impl Weights {
                 let qt = content.tensor(&mut f, name, &Device::Cpu).map_err(|e| {
                     ModelError::Format(format!("tensor `{name}`: {e} (is the file truncated?)"))
                 })?;
+                check_raw(name, qt.dtype(), &qt.data()?)?;
                 Ok(QLinear::from_qtensor(qt, *kernels)?)
             }
             Self::Hf { tensors, family } => {
                 let t = tensors.get(&Self::hf_name(*family, name)).ok_or_else(|| Self::missing(name))?;
+                check_values(name, &t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)?;
                 Ok(QLinear::from_dense(t.clone())?)
             }
         }
@@ -120,7 +133,9 @@ impl Weights {
                 tensors.get(&Self::hf_name(*family, name)).ok_or_else(|| Self::missing(name))?.clone()
             }
         };
-        Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
+        let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        check_values(name, &v)?;
+        Ok(v)
     }
 
     pub fn optional_vector(&self, name: &str) -> Result<Option<Vec<f32>>> {
@@ -129,5 +144,65 @@ impl Weights {
         } else {
             Ok(None)
         }
+    }
+}
+
+fn corrupt(name: &str, what: &str) -> ModelError {
+    ModelError::Format(format!("tensor `{name}` holds {what}; the model file is corrupt — fetch it again"))
+}
+
+/// Norm weights and biases scale every activation: one NaN there poisons every token.
+fn check_values(name: &str, v: &[f32]) -> Result<()> {
+    match v.iter().find(|x| !x.is_finite()) {
+        Some(x) => Err(corrupt(name, &x.to_string())),
+        None => Ok(()),
+    }
+}
+
+/// Checks a GGUF tensor's raw blocks before the kernels see them: every value of a float
+/// tensor, and the f16 scales (and minimums) of each quantized block, whose payload bytes are
+/// small integers that cannot be non-finite. Cheap: a few bytes per block of 32 or 256 values.
+fn check_raw(name: &str, dtype: GgmlDType, data: &[u8]) -> Result<()> {
+    let f16_bad = |b: &[u8]| u16::from_le_bytes([b[0], b[1]]) & 0x7C00 == 0x7C00;
+    let f32_bad = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7F80_0000 == 0x7F80_0000;
+    let bf16_bad = |b: &[u8]| u16::from_le_bytes([b[0], b[1]]) & 0x7F80 == 0x7F80;
+    // (block bytes, offsets of f16 scale fields); f32 / f16 / bf16 tensors are all values.
+    let (block, scales): (usize, &[usize]) = match dtype {
+        GgmlDType::F32 => {
+            return match data.chunks_exact(4).position(f32_bad) {
+                Some(i) => Err(corrupt(name, &format!("a NaN or infinite value (element {i})"))),
+                None => Ok(()),
+            }
+        }
+        GgmlDType::F16 | GgmlDType::BF16 => {
+            let bad = if dtype == GgmlDType::F16 { f16_bad } else { bf16_bad };
+            return match data.chunks_exact(2).position(bad) {
+                Some(i) => Err(corrupt(name, &format!("a NaN or infinite value (element {i})"))),
+                None => Ok(()),
+            };
+        }
+        GgmlDType::Q4_0 => (18, &[0]),
+        GgmlDType::Q4_1 => (20, &[0, 2]),
+        GgmlDType::Q5_0 => (22, &[0]),
+        GgmlDType::Q5_1 => (24, &[0, 2]),
+        GgmlDType::Q8_0 => (34, &[0]),
+        GgmlDType::Q8_1 => (36, &[0, 2]),
+        GgmlDType::Q2K => (84, &[80, 82]),
+        GgmlDType::Q3K => (110, &[108]),
+        GgmlDType::Q4K => (144, &[0, 2]),
+        GgmlDType::Q5K => (176, &[0, 2]),
+        GgmlDType::Q6K => (210, &[208]),
+        GgmlDType::Q8K => {
+            return match data.chunks_exact(292).position(|b| f32_bad(&b[..4])) {
+                Some(i) => Err(corrupt(name, &format!("a NaN or infinite scale (block {i})"))),
+                None => Ok(()),
+            }
+        }
+        #[allow(unreachable_patterns)]
+        _ => return Ok(()),
+    };
+    match data.chunks_exact(block).position(|b| scales.iter().any(|&o| f16_bad(&b[o..o + 2]))) {
+        Some(i) => Err(corrupt(name, &format!("a NaN or infinite scale (block {i})"))),
+        None => Ok(()),
     }
 }

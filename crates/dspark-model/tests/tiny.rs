@@ -2,95 +2,10 @@
 //! weights cover (Qwen3, Hugging Face directories, GGUF written from HF weights), checked against
 //! an independent pure-Python reference (`tests/reference/transformer.py`).
 
-use candle_core::quantized::gguf_file::{self, Value};
-use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::Tensor;
-use dspark_model::testing::{vocab, weights, write_hf, Tiny, VOCAB};
+use dspark_model::testing::{weights, write_gguf, write_hf, Tiny};
 use dspark_model::{Model, SeqInput, TapSpec};
-use std::collections::HashMap;
 use std::path::Path;
 use std::process::Command;
-
-/// llama.cpp's converter reorders q/k rows of llama models so that RoPE rotates adjacent pairs.
-fn permute_for_gguf(w: &Tensor, heads: usize) -> Tensor {
-    let (out, inp) = w.dims2().unwrap();
-    w.reshape((heads, 2, out / heads / 2, inp)).unwrap().transpose(1, 2).unwrap().reshape((out, inp)).unwrap()
-}
-
-fn gguf_name(hf: &str, gemma: bool) -> String {
-    let s = hf.replace("model.embed_tokens", "token_embd").replace("model.norm", "output_norm");
-    let s = s.replace("lm_head", "output").replace("model.layers.", "blk.");
-    let pairs: &[(&str, &str)] = &[
-        ("input_layernorm", "attn_norm"),
-        ("self_attn.q_proj", "attn_q"),
-        ("self_attn.k_proj", "attn_k"),
-        ("self_attn.v_proj", "attn_v"),
-        ("self_attn.o_proj", "attn_output"),
-        ("self_attn.q_norm", "attn_q_norm"),
-        ("self_attn.k_norm", "attn_k_norm"),
-        ("mlp.gate_proj", "ffn_gate"),
-        ("mlp.up_proj", "ffn_up"),
-        ("mlp.down_proj", "ffn_down"),
-        ("pre_feedforward_layernorm", "ffn_norm"),
-        ("post_feedforward_layernorm", "post_ffw_norm"),
-    ];
-    let mut s = s;
-    for (a, b) in pairs {
-        s = s.replace(a, b);
-    }
-    let post = if gemma { "post_attention_norm" } else { "ffn_norm" };
-    s.replace("post_attention_layernorm", post)
-}
-
-/// Writes the same weights as llama.cpp's converter would: GGUF names, llama q/k permuted,
-/// Gemma norms stored as 1 + w.
-fn write_gguf(path: &Path, t: &Tiny, w: &HashMap<String, Tensor>) {
-    let gemma = t.family == "gemma3_text";
-    let arch = if gemma { "gemma3" } else { t.family };
-    let mut tensors: Vec<(String, QTensor)> = Vec::new();
-    for (name, tensor) in w {
-        let mut x = tensor.clone();
-        if t.family == "llama" && name.ends_with("q_proj.weight") {
-            x = permute_for_gguf(&x, t.heads);
-        }
-        if t.family == "llama" && name.ends_with("k_proj.weight") {
-            x = permute_for_gguf(&x, t.kv_heads);
-        }
-        if gemma && name.ends_with("norm.weight") {
-            x = (x + 1.0).unwrap();
-        }
-        tensors.push((gguf_name(name, gemma), QTensor::quantize(&x, GgmlDType::F32).unwrap()));
-    }
-    let u = |v: usize| Value::U32(v as u32);
-    let mut md: Vec<(String, Value)> = vec![
-        ("general.architecture".into(), Value::String(arch.into())),
-        (format!("{arch}.block_count"), u(t.layers)),
-        (format!("{arch}.context_length"), u(256)),
-        (format!("{arch}.embedding_length"), u(t.hidden)),
-        (format!("{arch}.feed_forward_length"), u(t.ffn)),
-        (format!("{arch}.attention.head_count"), u(t.heads)),
-        (format!("{arch}.attention.head_count_kv"), u(t.kv_heads)),
-        (format!("{arch}.attention.key_length"), u(t.head_dim)),
-        (format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
-        (format!("{arch}.rope.freq_base"), Value::F32(if gemma { 1_000_000.0 } else { 10000.0 })),
-        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
-        ("tokenizer.ggml.tokens".into(), Value::Array(vocab().into_iter().map(Value::String).collect())),
-        (
-            "tokenizer.ggml.token_type".into(),
-            Value::Array((0..VOCAB).map(|i| Value::I32(if i >= 94 { 3 } else { 1 })).collect()),
-        ),
-        ("tokenizer.ggml.merges".into(), Value::Array(vec![Value::String("a b".into())])),
-        ("tokenizer.ggml.bos_token_id".into(), u(94)),
-        ("tokenizer.ggml.eos_token_id".into(), u(95)),
-    ];
-    if gemma {
-        md.push((format!("{arch}.attention.sliding_window"), u(3)));
-    }
-    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let mut f = std::fs::File::create(path).unwrap();
-    gguf_file::write(&mut f, &md_refs, &t_refs).unwrap();
-}
 
 /// Logits at every position, fed as a prefill of 5 then a block of the rest (cache reuse).
 fn ours(m: &Model, ids: &[u32]) -> Vec<f32> {

@@ -27,8 +27,30 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc;
 
+/// How long a client may take to send what it sends: a client that trickles bytes (slowloris)
+/// would otherwise hold a connection and its task forever.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    /// From the connection's first byte (or the previous response) to the end of the headers.
+    pub header: std::time::Duration,
+    /// To receive the whole request body.
+    pub body: std::time::Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self { header: std::time::Duration::from_secs(10), body: std::time::Duration::from_secs(30) }
+    }
+}
+
+/// The largest request body accepted (axum's default limit).
+pub const MAX_BODY: usize = 2 << 20;
+
 pub struct AppState {
     pub engine: Arc<EngineHandle>,
+    /// Clients must send `Authorization: Bearer KEY` on every `/v1` route when set.
+    pub api_key: Option<String>,
+    pub timeouts: Timeouts,
     /// The id clients put in `model`.
     pub model_name: String,
     pub drafter_name: Option<String>,
@@ -48,6 +70,8 @@ impl AppState {
     ) -> Self {
         Self {
             engine,
+            api_key: None,
+            timeouts: Timeouts::default(),
             model_name: model_name.to_string(),
             drafter_name,
             default_max_tokens,
@@ -55,6 +79,18 @@ impl AppState {
             next_id: AtomicU64::new(1),
             started: unix_now(),
         }
+    }
+
+    /// Requires `Authorization: Bearer KEY` on the `/v1` routes; `None` (or an empty key) leaves
+    /// them open.
+    pub fn with_api_key(mut self, key: Option<String>) -> Self {
+        self.api_key = key.filter(|k| !k.is_empty());
+        self
+    }
+
+    pub fn with_timeouts(mut self, t: Timeouts) -> Self {
+        self.timeouts = t;
+        self
     }
 
     fn model(&self) -> &Model {
@@ -67,10 +103,13 @@ fn unix_now() -> u64 {
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let v1 = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), authorize));
+    Router::new()
+        .merge(v1)
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(|| async {
@@ -80,8 +119,64 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
+/// Lets a `/v1` request through when the server has no API key or the request carries it.
+/// `/health` and `/metrics` stay open for probes and scrapers.
+async fn authorize(
+    State(s): State<Arc<AppState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(key) = &s.api_key else { return next.run(req).await };
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    if given.is_some_and(|g| same(g.as_bytes(), key.as_bytes())) {
+        return next.run(req).await;
+    }
+    s.metrics.request("rejected");
+    let mut e = ApiError::invalid(
+        "missing or incorrect API key: send `Authorization: Bearer KEY` with the server's --api-key",
+        None,
+    )
+    .status(StatusCode::UNAUTHORIZED)
+    .with_code("invalid_api_key");
+    e.kind = "authentication_error";
+    e.into_response()
+}
+
+/// Compares in time independent of where the inputs differ, so that the key cannot be guessed
+/// byte by byte from response times.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The request body, within the body timeout and size limit.
+async fn read_body(s: &AppState, body: axum::body::Body) -> Result<Bytes, ApiError> {
+    match tokio::time::timeout(s.timeouts.body, axum::body::to_bytes(body, MAX_BODY)).await {
+        Err(_) => Err(ApiError::invalid(
+            format!("the request body did not arrive within {} s", s.timeouts.body.as_secs_f64()),
+            None,
+        )
+        .status(StatusCode::REQUEST_TIMEOUT)),
+        Ok(Err(e)) => Err(ApiError::invalid(
+            format!("cannot read the request body (at most {MAX_BODY} bytes): {e}"),
+            None,
+        )
+        .status(StatusCode::PAYLOAD_TOO_LARGE)),
+        Ok(Ok(b)) => Ok(b),
+    }
+}
+
 /// Serves until `shutdown` resolves, then stops taking requests, lets in-flight ones finish and
 /// stops the engine.
+///
+/// An engine that dies (a panic in a step) fails the whole server: `/health` answers 503 with
+/// the reason, the server stops as on `shutdown`, and this returns an error, so that `dspark
+/// serve` exits non-zero and a supervisor restarts it. Staying up would answer every request
+/// with 503 while health checks kept passing.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
@@ -89,14 +184,94 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let engine = state.engine.clone();
     let stopping = engine.clone();
+    let watched = engine.clone();
     let signal = async move {
-        shutdown.await;
+        let failed = async {
+            while watched.shared.failure().is_none() {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            // A moment of failing health checks lets a load balancer take this server out of
+            // rotation before connections are refused.
+            tokio::time::sleep(FAILED_LINGER).await;
+        };
+        tokio::select! { _ = shutdown => {}, _ = failed => {} }
         stopping.shared.stopping.store(true, Relaxed);
     };
-    axum::serve(listener, router(state)).with_graceful_shutdown(signal).await?;
+    accept_loop(listener, state, signal).await;
+    let failure = engine.shared.failure();
     tokio::task::spawn_blocking(move || engine.shutdown()).await.ok();
-    Ok(())
+    match failure {
+        Some(f) => Err(std::io::Error::other(f)),
+        None => Ok(()),
+    }
 }
+
+/// Accepts connections until `signal`, then lets open ones finish. Like `axum::serve`, plus a
+/// header read timeout (which `axum::serve` does not set), and while the open connections drain,
+/// new ones are still answered (one request each): completions get 503 `shutting_down` with a
+/// message and `/health` says `stopping`, where a closed port would only refuse them.
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    signal: impl Future<Output = ()> + Send + 'static,
+) {
+    use hyper::server::conn::http1::Builder;
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use hyper_util::server::graceful::GracefulShutdown;
+    let header_timeout = state.timeouts.header;
+    let app = router(state);
+    let accept = |r: std::io::Result<(tokio::net::TcpStream, SocketAddr)>| match r {
+        Ok((stream, _)) => Some(TokioIo::new(stream)),
+        // Out of file descriptors and the like: keep serving the connections there are.
+        Err(_) => None,
+    };
+    let backoff = || tokio::time::sleep(std::time::Duration::from_millis(50));
+    // HTTP/1.1 only, as with `axum::serve`'s defaults here.
+    let mut builder = Builder::new();
+    builder.timer(TokioTimer::new()).header_read_timeout(header_timeout);
+    let open = GracefulShutdown::new();
+    let mut signal = std::pin::pin!(signal);
+    loop {
+        let io = tokio::select! {
+            r = listener.accept() => accept(r),
+            _ = &mut signal => break,
+        };
+        let Some(io) = io else {
+            backoff().await;
+            continue;
+        };
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        let conn = open.watch(builder.serve_connection(io, svc));
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+    }
+    let mut late_builder = Builder::new();
+    late_builder.timer(TokioTimer::new()).header_read_timeout(header_timeout).keep_alive(false);
+    let late = GracefulShutdown::new();
+    let mut drained = std::pin::pin!(open.shutdown());
+    loop {
+        let io = tokio::select! {
+            r = listener.accept() => accept(r),
+            _ = &mut drained => break,
+        };
+        let Some(io) = io else {
+            backoff().await;
+            continue;
+        };
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        let conn = late.watch(late_builder.serve_connection(io, svc));
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+    }
+    drop(listener);
+    // Late connections answer one quick refusal each; a silent one is not waited for long.
+    let _ = tokio::time::timeout(header_timeout, late.shutdown()).await;
+}
+
+/// How long a server whose engine died keeps answering (503) before it stops.
+pub const FAILED_LINGER: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A server on its own thread and runtime (for benches and tests).
 pub struct ServerHandle {
@@ -143,8 +318,15 @@ pub fn start(state: Arc<AppState>, addr: &str) -> std::io::Result<ServerHandle> 
 
 async fn health(State(s): State<Arc<AppState>>) -> Response {
     let sh = &s.engine.shared;
+    let failure = sh.failure();
+    let status = match (&failure, sh.stopping.load(Relaxed)) {
+        (Some(_), _) => "failed",
+        (None, true) => "stopping",
+        (None, false) => "ok",
+    };
     let body = json!({
-        "status": if sh.stopping.load(Relaxed) { "stopping" } else { "ok" },
+        "status": status,
+        "error": failure,
         "model": s.model_name,
         "drafter": s.drafter_name,
         "policy": s.engine.config.policy.to_string(),
@@ -173,39 +355,54 @@ enum Kind {
     Text,
 }
 
-async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn chat(State(s): State<Arc<AppState>>, body: axum::body::Body) -> Response {
+    let arrived = Instant::now();
+    let body = match read_body(&s, body).await {
+        Ok(b) => b,
+        Err(e) => return reject(&s, e),
+    };
     let r: Result<_, ApiError> = (|| {
         let req: ChatRequest = openai::parse(&body)?;
         check_model(&s, &req.common.model)?;
         let turns = req.turns()?;
-        let text = match &s.model().chat_template {
-            Some(t) => {
-                let msgs: Vec<ChatMessage> = turns.iter().map(|(r, c)| ChatMessage::new(r, c)).collect();
-                t.render(&msgs, true)
-                    .map_err(|e| ApiError::invalid(format!("chat template: {e}"), Some("messages")))?
-            }
-            None => turns.iter().map(|(_, c)| c.as_str()).collect::<Vec<_>>().join("\n"),
-        };
-        Ok((text, req.common.settings()?))
+        let settings = req.common.settings()?;
+        let msgs: Vec<ChatMessage> = turns.iter().map(|(r, c)| ChatMessage::new(r, c)).collect();
+        // Message text never becomes control tokens: a client cannot write other turns.
+        let prompt = s
+            .model()
+            .encode_chat(&msgs)
+            .map_err(|e| ApiError::invalid(format!("chat template: {e}"), Some("messages")))?;
+        Ok((prompt, settings))
     })();
     match r {
-        Ok((text, settings)) => generate(s, Kind::Chat, &text, settings).await,
+        Ok((prompt, settings)) => generate(s, Kind::Chat, prompt, settings, arrived).await,
         Err(e) => reject(&s, e),
     }
 }
 
-async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn completions(State(s): State<Arc<AppState>>, body: axum::body::Body) -> Response {
+    let arrived = Instant::now();
+    let body = match read_body(&s, body).await {
+        Ok(b) => b,
+        Err(e) => return reject(&s, e),
+    };
     let r: Result<_, ApiError> = (|| {
         let req: CompletionRequest = openai::parse(&body)?;
         check_model(&s, &req.common.model)?;
-        let mut prompts = req.prompt.into_vec();
+        let prompts = req.prompt.into_vec();
         if prompts.len() != 1 {
             return Err(ApiError::invalid("give exactly one prompt string", Some("prompt")));
         }
-        Ok((prompts.remove(0), req.common.settings()?))
+        let settings = req.common.settings()?;
+        let prompt = s
+            .model()
+            .tokenizer
+            .encode(&prompts[0], req.parse_special)
+            .map_err(|e| ApiError::invalid(format!("cannot tokenize the prompt: {e}"), Some("prompt")))?;
+        Ok((prompt, settings))
     })();
     match r {
-        Ok((text, settings)) => generate(s, Kind::Text, &text, settings).await,
+        Ok((prompt, settings)) => generate(s, Kind::Text, prompt, settings, arrived).await,
         Err(e) => reject(&s, e),
     }
 }
@@ -235,6 +432,9 @@ fn submit_error(e: SubmitError) -> ApiError {
         SubmitError::ShuttingDown => ApiError::invalid(e.to_string(), None)
             .status(StatusCode::SERVICE_UNAVAILABLE)
             .with_code("shutting_down"),
+        SubmitError::EngineFailed(_) => ApiError::invalid(e.to_string(), None)
+            .status(StatusCode::SERVICE_UNAVAILABLE)
+            .with_code("engine_failed"),
         SubmitError::ContextExceeded { .. } => {
             ApiError::invalid(e.to_string(), Some("messages")).with_code("context_length_exceeded")
         }
@@ -380,13 +580,16 @@ impl Clock {
     }
 }
 
-async fn generate(s: Arc<AppState>, kind: Kind, text: &str, st: Settings) -> Response {
-    let arrived = Instant::now();
+/// `arrived`: when the request came in, so that time to first token includes reading the body
+/// and tokenizing.
+async fn generate(
+    s: Arc<AppState>,
+    kind: Kind,
+    prompt: Vec<u32>,
+    st: Settings,
+    arrived: Instant,
+) -> Response {
     let model = s.model();
-    let prompt = match model.tokenizer.encode(text, true) {
-        Ok(p) => p,
-        Err(e) => return reject(&s, ApiError::invalid(format!("cannot tokenize the prompt: {e}"), None)),
-    };
     let context = model.config.context_length;
     let room = context.saturating_sub(prompt.len());
     let max_tokens = st.max_tokens.unwrap_or_else(|| s.default_max_tokens.min(room.max(1)));

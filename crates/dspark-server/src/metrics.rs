@@ -157,7 +157,7 @@ impl Metrics {
         if rounds > 0 {
             self.tau.set((s.accepted.load(Relaxed) + rounds) as f64 / rounds as f64);
         }
-        for t in s.calibration.lock().unwrap().iter() {
+        for t in s.calibration.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             let l = vec![("tag".to_string(), t.tag.clone())];
             self.calibration_ece.get_or_create(&l).set(t.ece);
             self.calibration_fits.get_or_create(&l).set(t.fits as i64);

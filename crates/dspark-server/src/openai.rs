@@ -131,6 +131,11 @@ pub struct ChatRequest {
 #[derive(Debug, Deserialize)]
 pub struct CompletionRequest {
     pub prompt: OneOrMany,
+    /// Not in OpenAI's API: parse special-token text such as `<|im_start|>` in the prompt into
+    /// control tokens (for callers that write their own chat markup). Off by default, so that
+    /// text relayed from users cannot forge control tokens.
+    #[serde(default)]
+    pub parse_special: bool,
     #[serde(flatten)]
     pub common: Common,
 }

@@ -58,7 +58,8 @@ impl SpecSequence {
         p.sampling.validate()?;
         dspark_decode::check_prompt(target, prompt)?;
         let t0 = Instant::now();
-        let mut cache = target.new_cache(prompt.len() + p.max_tokens + p.draft_len + 1);
+        let mut cache =
+            target.new_cache(prompt.len().saturating_add(p.max_tokens).saturating_add(p.draft_len + 1));
         let taps = drafter.taps();
         let mut features = TargetFeatures::default();
         for chunk in prompt[..prompt.len() - 1].chunks(dspark_decode::PREFILL_CHUNK) {

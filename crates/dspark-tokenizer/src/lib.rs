@@ -43,6 +43,8 @@ pub struct Tokenizer {
     add_bos: bool,
     eos: Vec<u32>,
     vocab_size: usize,
+    /// Control tokens by their text's first byte, longest first: how template markup is split.
+    specials: std::collections::HashMap<u8, Vec<(String, u32)>>,
 }
 
 impl Tokenizer {
@@ -67,7 +69,16 @@ impl Tokenizer {
     ) -> Self {
         let mut plain = with_special.clone();
         plain.set_encode_special_tokens(true);
-        Self { with_special, plain, bos, add_bos, eos, vocab_size }
+        let mut specials: std::collections::HashMap<u8, Vec<(String, u32)>> = Default::default();
+        for (id, t) in with_special.get_added_tokens_decoder() {
+            if t.special && !t.content.is_empty() {
+                specials.entry(t.content.as_bytes()[0]).or_default().push((t.content, id));
+            }
+        }
+        for v in specials.values_mut() {
+            v.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        }
+        Self { with_special, plain, bos, add_bos, eos, vocab_size, specials }
     }
 
     /// Tokenizes `text` as-is. `parse_special` splits special tokens such as `<|im_start|>` out of
@@ -82,6 +93,65 @@ impl Tokenizer {
             }
         }
         Ok(ids)
+    }
+
+    /// Tokenizes a prompt made of trusted markup (`(text, true)`: special tokens parsed, as in
+    /// [`Self::encode`] with `parse_special`) and untrusted text (`(text, false)`: every character
+    /// is text, so a message cannot forge a turn). The text between two control tokens is
+    /// tokenized as one piece whichever parts it came from, so a prompt whose untrusted parts hold
+    /// no control-token text gets exactly the ids `encode(whole, true)` gives.
+    pub fn encode_pieces(&self, pieces: &[(&str, bool)]) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        let mut chunk = String::new();
+        let flush = |chunk: &mut String, ids: &mut Vec<u32>| -> Result<()> {
+            if !chunk.is_empty() {
+                ids.extend_from_slice(
+                    self.plain.encode_fast(chunk.as_str(), false).map_err(backend)?.get_ids(),
+                );
+                chunk.clear();
+            }
+            Ok(())
+        };
+        for &(text, markup) in pieces {
+            if !markup {
+                chunk.push_str(text);
+                continue;
+            }
+            let mut start = 0;
+            let mut i = 0;
+            while i < text.len() {
+                let hit = self
+                    .specials
+                    .get(&text.as_bytes()[i])
+                    .and_then(|cands| cands.iter().find(|(s, _)| text[i..].starts_with(s.as_str())));
+                match hit {
+                    Some((s, id)) => {
+                        chunk.push_str(&text[start..i]);
+                        flush(&mut chunk, &mut ids)?;
+                        ids.push(*id);
+                        i += s.len();
+                        start = i;
+                    }
+                    None => i += text[i..].chars().next().map_or(1, char::len_utf8),
+                }
+            }
+            chunk.push_str(&text[start..]);
+        }
+        flush(&mut chunk, &mut ids)?;
+        if let (true, Some(bos)) = (self.add_bos, self.bos) {
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        Ok(ids)
+    }
+
+    /// The first control token whose text occurs in `text`, if any.
+    pub fn find_special(&self, text: &str) -> Option<&str> {
+        text.char_indices().find_map(|(i, _)| {
+            let cands = self.specials.get(&text.as_bytes()[i])?;
+            cands.iter().find(|(s, _)| text[i..].starts_with(s.as_str())).map(|(s, _)| s.as_str())
+        })
     }
 
     /// Decodes ids to text; special tokens are kept so that what the model said is visible.

@@ -217,8 +217,7 @@ pub fn regenerate(
     loop {
         while active.len() < batch {
             let Some(i) = queue.next() else { break };
-            let text = model.chat_prompt(&prompts[i])?;
-            let mut toks = model.tokenizer.encode(&text, true)?;
+            let mut toks = model.chat_tokens(&prompts[i])?;
             let limit = model.config.context_length.saturating_sub(max_tokens + 1).min(2048);
             if toks.len() > limit || toks.is_empty() {
                 toks.truncate(limit.max(1));
@@ -344,7 +343,7 @@ pub fn regenerate_remote(
             match msg {
                 Ok((i, text)) => {
                     let r = (|| -> Result<()> {
-                        let prompt = model.tokenizer.encode(&model.chat_prompt(&prompts[i])?, true)?;
+                        let prompt = model.chat_tokens(&prompts[i])?;
                         let mut tokens = prompt.clone();
                         tokens.extend(model.tokenizer.encode(&text, false)?);
                         let s = Sample { index: i, tokens, prompt_len: prompt.len() };

@@ -3,6 +3,7 @@
 
 pub mod blocks;
 pub mod calibrate;
+pub mod checkpoint;
 pub mod data;
 pub mod features;
 pub mod loss;

@@ -3,6 +3,7 @@
 //! AdamW with warmup + cosine, checkpoints every N steps and on request, exact resume.
 
 use crate::blocks::{anchor_candidates, block_slots, position_weight, sample_anchors};
+use crate::checkpoint;
 use crate::data::Sample;
 use crate::loss::{self, Mix, Targets};
 use crate::optim::{lr_at, AdamW};
@@ -116,16 +117,23 @@ impl Trainer {
         out: &Path,
         resume: bool,
     ) -> Result<Self> {
-        let state_path = out.join("train_state.json");
         let (src, state) = if resume {
+            checkpoint::clean_temporaries(out)?;
+            let src = checkpoint::latest(out)?;
+            let state_path = src.join(checkpoint::STATE);
             let text = std::fs::read_to_string(&state_path).map_err(|e| {
                 TrainError::Data(format!(
                     "cannot resume: {} ({e}); start without --resume",
                     state_path.display()
                 ))
             })?;
-            let st: TrainState = serde_json::from_str(&text).map_err(|e| TrainError::Data(e.to_string()))?;
-            (out.to_path_buf(), st)
+            let st: TrainState = serde_json::from_str(&text).map_err(|e| {
+                TrainError::Data(format!(
+                    "cannot resume: {}: {e}; start without --resume",
+                    state_path.display()
+                ))
+            })?;
+            (src, st)
         } else {
             (init.to_path_buf(), TrainState { step: 0, config: cfg, elapsed_s: 0.0, positions: 0 })
         };
@@ -184,7 +192,16 @@ impl Trainer {
             Tensor::from_vec(target.lm_head_rows(&ids)?, (ids.len(), target.config.hidden), &Device::Cpu)?;
         let mut opt = AdamW::new(vars, cfg.weight_decay)?;
         if resume {
-            opt.load(&out.join("optimizer.safetensors"))?;
+            opt.load(&src.join(checkpoint::OPTIMIZER))?;
+            if opt.step != state.step {
+                return Err(TrainError::Data(format!(
+                    "cannot resume: {} mixes two checkpoints (optimiser at step {}, run state at step {}); \
+                     remove it to resume from an earlier one, or start without --resume",
+                    src.display(),
+                    opt.step,
+                    state.step
+                )));
+            }
         }
         let data: Vec<Sample> = data
             .into_iter()
@@ -371,21 +388,58 @@ impl Trainer {
         })
     }
 
-    /// Writes the drafter (a loadable checkpoint), the optimiser state and the run state.
+    /// Writes a checkpoint (drafter, optimiser state, run state) as one directory that appears
+    /// atomically (see [`checkpoint`]), then the drafter at the top of the output folder, where
+    /// `dspark:OUT` finds it.
     pub fn save(&self) -> Result<()> {
+        self.save_stages(usize::MAX)
+    }
+
+    /// The first `stages` stages of [`Self::save`]: what a kill during a save leaves on disk
+    /// (tests).
+    #[doc(hidden)]
+    pub fn save_stages(&self, stages: usize) -> Result<()> {
         let mut tensors: BTreeMap<String, Tensor> = self.frozen.clone();
         for (name, v) in &self.opt.vars {
             tensors.insert(name.clone(), v.as_tensor().detach());
         }
         tensors.remove("d2t");
+        let dest = checkpoint::final_dir(&self.out, self.state.step);
+        // A checkpoint of this step is already in place (Ctrl-C right after a periodic save):
+        // it holds this very state.
+        if !dest.exists() {
+            if stages < 1 {
+                return Ok(());
+            }
+            let tmp = checkpoint::temp_dir(&self.out, self.state.step)?;
+            dspark_drafter_models::save(&tmp, &self.config, &tensors, self.net.vocab())?;
+            if stages < 2 {
+                return Ok(());
+            }
+            self.opt.save(&tmp.join(checkpoint::OPTIMIZER))?;
+            if stages < 3 {
+                return Ok(());
+            }
+            let st = tmp.join(checkpoint::STATE);
+            std::fs::write(&st, serde_json::to_string_pretty(&self.state).expect("state serialises"))
+                .map_err(|e| TrainError::io(&st, e))?;
+            if stages < 4 {
+                return Ok(());
+            }
+            checkpoint::commit(&tmp, &dest)?;
+        }
+        if stages < 5 {
+            return Ok(());
+        }
+        checkpoint::prune(&self.out, &dest)?;
+        if stages < 6 {
+            return Ok(());
+        }
+        // Earlier versions kept the run state at the top; it must not shadow the checkpoints.
+        for f in [checkpoint::STATE, checkpoint::OPTIMIZER] {
+            let _ = std::fs::remove_file(self.out.join(f));
+        }
         dspark_drafter_models::save(&self.out, &self.config, &tensors, self.net.vocab())?;
-        let tmp = self.out.join("optimizer.safetensors.partial");
-        self.opt.save(&tmp)?;
-        std::fs::rename(&tmp, self.out.join("optimizer.safetensors"))
-            .map_err(|e| TrainError::io(&self.out, e))?;
-        let st = self.out.join("train_state.json");
-        std::fs::write(&st, serde_json::to_string_pretty(&self.state).expect("state serialises"))
-            .map_err(|e| TrainError::io(&st, e))?;
         Ok(())
     }
 

@@ -191,3 +191,65 @@ fn cached_features_train_like_features_computed_on_the_fly() {
     assert!((fly - cached).abs() < 2e-3 * fly.abs().max(1.0), "{name}: {fly} vs {cached} (f16 cache)");
     assert!(fly != cached, "the cache should have been used (f16 rounding shows)");
 }
+
+/// A kill at every point of a save: resume continues from the new checkpoint when it was
+/// committed, else from the previous one, never from a mix, and ends where the uninterrupted
+/// run does; nothing the kill left behind survives the resume.
+#[test]
+fn a_kill_during_a_save_resumes_from_one_whole_checkpoint() {
+    use dspark_train::checkpoint;
+    let tdir = tempfile::tempdir().unwrap();
+    let t = target(tdir.path());
+    let (_, o) = cases().remove(0);
+    let init = tempfile::tempdir().unwrap();
+    dspark_drafter_models::init(t.clone(), "tiny", &o).unwrap().save(init.path()).unwrap();
+    let never = AtomicBool::new(false);
+    let full = tempfile::tempdir().unwrap();
+    Trainer::new(t.clone(), "tiny", init.path(), samples(), cfg(5), full.path(), false)
+        .unwrap()
+        .run(&never, |_| {})
+        .unwrap();
+    let want = weights_of(full.path());
+    for stages in 0..=6 {
+        let cut = tempfile::tempdir().unwrap();
+        let stop = AtomicBool::new(false);
+        let mut tr =
+            Trainer::new(t.clone(), "tiny", init.path(), samples(), cfg(5), cut.path(), false).unwrap();
+        // Step 2 is checkpointed; the save of step 3 is killed after `stages` stages.
+        tr.run(&stop, |r| {
+            if r.step == 2 {
+                stop.store(true, Ordering::SeqCst);
+            }
+        })
+        .unwrap();
+        tr.step().unwrap();
+        tr.save_stages(stages).unwrap();
+        drop(tr);
+        let committed = stages >= 4;
+        let mut tr =
+            Trainer::new(t.clone(), "tiny", init.path(), samples(), cfg(5), cut.path(), true).unwrap();
+        assert_eq!(tr.state.step, if committed { 3 } else { 2 }, "killed after {stages} stages");
+        let left: Vec<String> = std::fs::read_dir(cut.path().join(checkpoint::DIR))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(left.iter().all(|n| n.starts_with("step-")), "temporaries left: {left:?}");
+        assert!(tr.run(&never, |_| {}).unwrap());
+        let got = weights_of(cut.path());
+        for ((n, x), (_, y)) in want.iter().zip(&got) {
+            let worst = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+            assert!(worst < 1e-6, "killed after {stages} stages: {n} differs by {worst}");
+        }
+        assert_eq!(checkpoint::list(cut.path()).unwrap().len(), 1, "old checkpoints are pruned");
+    }
+    // A checkpoint whose parts come from two saves is refused, not silently resumed.
+    let dir = checkpoint::latest(full.path()).unwrap();
+    let st = dir.join(checkpoint::STATE);
+    let text = std::fs::read_to_string(&st).unwrap().replace("\"step\": 5", "\"step\": 4");
+    std::fs::write(&st, text).unwrap();
+    let err = Trainer::new(t.clone(), "tiny", init.path(), samples(), cfg(5), full.path(), true)
+        .err()
+        .expect("a mixed checkpoint is refused")
+        .to_string();
+    assert!(err.contains("mixes two checkpoints"), "{err}");
+}
