@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PEER_PYTHON:-/tmp/xl/bin/python}
 M=${DSPARK_HOME:-$HOME/.cache/dspark}/models
-CODE=../shared/data/bench/mbpp-test.jsonl
+CODE=data/bench/mbpp-test.jsonl
 D=./target/release/dspark
 cargo build --release -q
 $D bench decode -m smollm2-135m --drafter ngram --draft-len 3 --prompts $CODE --n 8 --max-tokens 128

@@ -18,9 +18,11 @@ pub enum DataCmd {
         /// Keep at most this many (after a seeded shuffle).
         #[arg(long, default_value_t = 20000)]
         max: usize,
-        /// Local benchmark files (`*.jsonl`) whose prompts must not be trained on.
-        #[arg(long, default_value = "../shared/data/bench")]
-        bench_dir: PathBuf,
+        /// More benchmark files (`*.jsonl`) whose prompts must not be trained on, besides the
+        /// shipped ones (GSM8K, MATH500, AIME25, MBPP test) and the packaged ones (HumanEval,
+        /// MT-Bench, Arena-Hard, AlpacaEval), which are always excluded.
+        #[arg(long)]
+        bench_dir: Option<PathBuf>,
         /// Shortest and longest prompt, in characters.
         #[arg(long, default_value_t = 16)]
         min_chars: usize,
@@ -90,12 +92,12 @@ pub fn run(cmd: DataCmd) -> Result<()> {
             let text = std::fs::read_to_string(&sharegpt)
                 .with_context(|| format!("reading {}", sharegpt.display()))?;
             let turns = data::sharegpt_first_turns(&text);
-            let mut bench = if bench_dir.exists() { data::bench_prompts(&bench_dir)? } else { Vec::new() };
-            if !bench_dir.exists() {
-                eprintln!(
-                    "warning: {} not found; only packaged benchmarks are excluded",
-                    bench_dir.display()
-                );
+            let mut bench = data::bench_prompts(&dspark_hub::bench_dir()?)?;
+            if let Some(dir) = &bench_dir {
+                if !dir.is_dir() {
+                    anyhow::bail!("--bench-dir {} is not a folder of *.jsonl benchmark files", dir.display());
+                }
+                bench.extend(data::bench_prompts(dir)?);
             }
             for name in ["humaneval", "mt-bench", "arena-hard", "alpaca"] {
                 let p = dspark_hub::fetch_data(name).with_context(|| format!("fetching benchmark {name}"))?;

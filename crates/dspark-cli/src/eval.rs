@@ -48,7 +48,7 @@ pub struct EvalArgs {
 }
 
 fn shipped(target: &str) -> Vec<(String, String)> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../drafters");
+    let Some(root) = dspark_hub::drafters_dir() else { return Vec::new() };
     [("dspark-markov", "dspark"), ("dspark-rnn", "dspark"), ("dflash", "dflash"), ("eagle3", "eagle3")]
         .iter()
         .filter_map(|(suffix, method)| {
@@ -110,7 +110,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
         }
         drafters.push(EvalDrafter { name: dname.clone(), drafter: d, gamma, temps, sweep_max });
     }
-    let shared = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/bench");
+    let shared = dspark_hub::bench_dir()?;
     let names: Vec<String> = if a.bench == "all" {
         NINE.iter().map(|s| s.to_string()).collect()
     } else {

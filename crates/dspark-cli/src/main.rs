@@ -209,9 +209,7 @@ impl DrafterArgs {
 
 /// The DSpark drafter shipped with the repository for a target name, if there is one.
 pub fn shipped_drafter(target_name: &str) -> Option<PathBuf> {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../drafters")
-        .join(format!("{target_name}-dspark-markov"));
+    let dir = dspark_hub::drafters_dir()?.join(format!("{target_name}-dspark-markov"));
     dir.join("config.json").exists().then_some(dir)
 }
 

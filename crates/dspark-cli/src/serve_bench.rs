@@ -39,7 +39,7 @@ pub struct ServeBenchArgs {
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
     /// JSONL prompts (`prompt`/`question`/`problem`/`text`); default: GSM8K and MBPP test
-    /// prompts from ../shared/data/bench, interleaved.
+    /// prompts from the shipped benchmark files (GSM8K and MBPP test), interleaved.
     #[arg(long)]
     pub prompts: Option<PathBuf>,
     /// Workload tag sent with each request (online calibration per tag).
@@ -79,7 +79,7 @@ fn prompts(a: &ServeBenchArgs, n: usize) -> Result<Vec<String>> {
     if let Some(p) = &a.prompts {
         return crate::bench::read_prompts(p, n);
     }
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/bench");
+    let dir = dspark_hub::bench_dir()?;
     let g = crate::bench::read_prompts(&dir.join("gsm8k-test.jsonl"), n)?;
     let m = crate::bench::read_prompts(&dir.join("mbpp-test.jsonl"), n)?;
     Ok(g.into_iter().zip(m).flat_map(|(x, y)| [x, y]).take(n).collect())

