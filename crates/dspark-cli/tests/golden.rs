@@ -1,4 +1,4 @@
-//! The runtime against llama.cpp's reference outputs in `shared/data/golden/`.
+//! The runtime against llama.cpp's reference outputs in the repository's `data/golden/`.
 
 mod common;
 
