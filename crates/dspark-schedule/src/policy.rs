@@ -20,8 +20,8 @@ pub enum Policy {
     Threshold(f32),
     /// DSpark's Algorithm 1 over all running requests, with its early stop.
     Dspark,
-    /// The production variant: the budget comes from the confidences of two steps back, this
-    /// step's slots are admitted by top-K survival, no early stop.
+    /// The production variant: the budget is a global search (no early stop) on the confidences
+    /// of two steps back; this step's slots are admitted by top-K survival.
     DsparkAsync,
 }
 
@@ -104,6 +104,23 @@ pub fn prefix_schedule(survival: &[Vec<f32>], cost: &CostTable) -> Vec<usize> {
     len
 }
 
+/// The async policy's budget (paper §5.2): the number of best-ranked slots that maximises
+/// `Θ = τ · SPS(B)` over every count — a global search, without Algorithm 1's early stop (the
+/// budget comes from confidences two steps old, so looking past a non-improving slot peeks at
+/// nothing of the drafts it will be applied to). Ties go to the smaller count.
+pub fn global_budget(survival: &[Vec<f32>], cost: &CostTable) -> usize {
+    let mut tau = survival.len() as f64;
+    let (mut best, mut best_theta) = (0, tau * cost.sps(survival.len()));
+    for (k, (a, _, _)) in ranked(survival).into_iter().enumerate() {
+        tau += a as f64;
+        let theta = tau * cost.sps(survival.len() + k + 1);
+        if theta > best_theta {
+            (best, best_theta) = (k + 1, theta);
+        }
+    }
+    best
+}
+
 /// The best `k` slots by survival, as verify lengths.
 pub fn top_k(survival: &[Vec<f32>], k: usize) -> Vec<usize> {
     let mut len = vec![0; survival.len()];
@@ -168,7 +185,7 @@ impl Scheduler {
             }
             Policy::Dspark => prefix_schedule(survival, &self.cost),
             Policy::DsparkAsync => {
-                let now: usize = prefix_schedule(survival, &self.cost).iter().sum();
+                let now = global_budget(survival, &self.cost);
                 self.budgets.push_back(now);
                 let k = if self.budgets.len() >= 3 { self.budgets.pop_front().unwrap() } else { 0 };
                 top_k(survival, k)
@@ -223,6 +240,26 @@ mod tests {
         assert_eq!(prefix_schedule(&a, &c), vec![0]);
         let theta = |l: usize| (1.0 + a[0][..l].iter().map(|&x| x as f64).sum::<f64>()) * c.sps(1 + l);
         assert!(theta(2) > theta(0), "without the early stop ℓ = 2 would win");
+    }
+
+    /// The async budget searches past the first non-improving slot: on the Appendix A example it
+    /// finds the pair worth verifying that Algorithm 1's early stop declines.
+    #[test]
+    fn async_budget_is_the_global_optimum_without_the_early_stop() {
+        let c = cost(&[(1, 0.010), (2, 0.020), (3, 0.020)]);
+        let a = vec![vec![0.9f32, 0.85]];
+        assert_eq!(global_budget(&a, &c), 2);
+        assert_eq!(prefix_schedule(&a, &c), vec![0]);
+        // Steps 0 and 1 have no budget two steps old yet; step 2 uses step 0's.
+        let mut s = Scheduler::new(Policy::DsparkAsync, c);
+        assert_eq!(s.plan(&a).lengths, vec![0]);
+        assert_eq!(s.plan(&a).lengths, vec![0]);
+        assert_eq!(s.plan(&a).lengths, vec![2]);
+        // A flat cost curve makes every slot with positive survival pay; a steep one none.
+        let flat = cost(&[(1, 0.010), (64, 0.010)]);
+        assert_eq!(global_budget(&[vec![0.5, 0.2, 0.01], vec![0.3]], &flat), 4);
+        let steep = cost(&[(1, 0.010), (64, 0.640)]);
+        assert_eq!(global_budget(&[vec![0.5, 0.2, 0.01], vec![0.3]], &steep), 0);
     }
 
     #[test]
