@@ -5,7 +5,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use dspark_sampling::SamplingParams;
 use dspark_spec::{generate_spec, SpecParams};
-use dspark_train::calibrate::{fit, reliability_svg, Recorder};
+use dspark_train::calibrate::{fit_held_out, reliability_svg, Recorder, MIN_LABELS};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -80,8 +80,12 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
     }
     bar.finish_and_clear();
     let rounds = std::mem::take(&mut rec.rounds);
-    let (temps, before, after) = fit(&rounds, gamma);
-    println!("{} held-out rounds; ECE of prefix survival per position (20 bins):", rounds.len());
+    let (temps, before, after) = fit_held_out(&rounds, gamma);
+    println!(
+        "{} rounds: temperatures fitted on half, ECE of prefix survival per position (20 bins) on the other half \
+         (positions with fewer than {MIN_LABELS} accepted or rejected drafts keep T = 1):",
+        rounds.len()
+    );
     println!("{:>8} {:>10} {:>10} {:>8}", "position", "before", "after", "T");
     for k in 0..gamma {
         println!("{:>8} {:>9.2}% {:>9.2}% {:>8.3}", k + 1, before[k] * 100.0, after[k] * 100.0, temps[k]);

@@ -2,7 +2,9 @@
 //! fitted left to right to minimise the ECE of the prefix survival `∏_{i≤k} σ(z_i / T_i)`
 //! against "the first k drafts were accepted", earlier temperatures held fixed.
 
-pub use dspark_schedule::calibration::{ece, fit, grid, sigmoid, survival, Round, BINS};
+pub use dspark_schedule::calibration::{
+    ece, fit, fit_held_out, grid, sigmoid, survival, Round, BINS, MIN_LABELS,
+};
 
 /// A reliability diagram (SVG): per position, observed acceptance against predicted prefix
 /// survival in 10 bins, before and after calibration, with the diagonal.
