@@ -73,10 +73,8 @@ pub fn fit(rounds: &[Round], gamma: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
 /// Fits on the even-numbered rounds and reports the ECE per position before and after on the
 /// odd-numbered ones, which the fit never saw.
 pub fn fit_held_out(rounds: &[Round], gamma: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
-    let (fit_on, test): (Vec<(usize, &Round)>, Vec<(usize, &Round)>) =
-        rounds.iter().enumerate().partition(|(i, _)| i % 2 == 0);
-    let fit_on: Vec<Round> = fit_on.into_iter().map(|(_, r)| r.clone()).collect();
-    let test: Vec<Round> = test.into_iter().map(|(_, r)| r.clone()).collect();
+    let fit_on: Vec<Round> = rounds.iter().step_by(2).cloned().collect();
+    let test: Vec<Round> = rounds.iter().skip(1).step_by(2).cloned().collect();
     let temps = fit(&fit_on, gamma).0;
     let ones = vec![1.0; gamma];
     let ece_at = |t: &[f64], k: usize| {
