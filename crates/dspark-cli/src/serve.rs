@@ -250,7 +250,8 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
     })
 }
 
-async fn shutdown_signal() {
+/// Resolves on Ctrl-C or SIGTERM.
+async fn stop_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };
@@ -266,24 +267,14 @@ async fn shutdown_signal() {
     #[cfg(not(unix))]
     let term = std::future::pending::<()>();
     tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}
+
+async fn shutdown_signal() {
+    stop_signal().await;
     eprintln!("shutting down: finishing in-flight requests (press Ctrl-C again to stop now)");
     // A second signal means "now": an operator should never have to reach for kill -9.
     tokio::spawn(async {
-        let ctrl_c = async {
-            let _ = tokio::signal::ctrl_c().await;
-        };
-        #[cfg(unix)]
-        let term = async {
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(mut s) => {
-                    s.recv().await;
-                }
-                Err(_) => std::future::pending::<()>().await,
-            }
-        };
-        #[cfg(not(unix))]
-        let term = std::future::pending::<()>();
-        tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+        stop_signal().await;
         eprintln!("second signal: stopping now, in-flight requests are dropped");
         std::process::exit(130);
     });

@@ -6,24 +6,16 @@
 #![allow(unsafe_op_in_unsafe_fn)]
 #![allow(clippy::needless_range_loop)]
 
-use crate::format::{Q8Rows, QuantFormat};
+use crate::format::Q8Rows;
 use crate::packed::{PackedMatrix, ScaleKind, GROUP};
-use crate::x86::{prefetch_group, Fmt, Ints, Q40, Q41, Q4K, Q50, Q51, Q6K, Q80};
+use crate::x86::{by_format, prefetch_group, Fmt, Ints};
 use std::arch::x86_64::*;
 
 /// # Safety
 /// The CPU must have AVX-512 F/BW/VNNI, AVX2, FMA and F16C; `x` was quantized with `w.nbp`
 /// blocks per row; `out` has room for `x.rows` rows of stride `ldo` covering columns `n0..n1`.
 pub unsafe fn range(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out: *mut f32, ldo: usize) {
-    match w.format {
-        QuantFormat::Q4_0 => range_f::<Q40>(w, x, n0, n1, out, ldo),
-        QuantFormat::Q4_1 => range_f::<Q41>(w, x, n0, n1, out, ldo),
-        QuantFormat::Q5_0 => range_f::<Q50>(w, x, n0, n1, out, ldo),
-        QuantFormat::Q5_1 => range_f::<Q51>(w, x, n0, n1, out, ldo),
-        QuantFormat::Q8_0 => range_f::<Q80>(w, x, n0, n1, out, ldo),
-        QuantFormat::Q4K => range_f::<Q4K>(w, x, n0, n1, out, ldo),
-        QuantFormat::Q6K => range_f::<Q6K>(w, x, n0, n1, out, ldo),
-    }
+    by_format!(w.format, range_f(w, x, n0, n1, out, ldo))
 }
 
 /// Row tiles outer, columns inner: a task's columns (sized to stay in L2) meet each tile of

@@ -68,6 +68,24 @@ impl Fmt for Q6K {
     const BIAS_SHIFT: u32 = 5;
 }
 
+/// `$range::<F>(args)` for the format marker of `$format` (each path's entry point).
+macro_rules! by_format {
+    ($format:expr, $range:ident($($arg:expr),*)) => {{
+        use crate::format::QuantFormat as Q;
+        use crate::x86::{Q40, Q41, Q4K, Q50, Q51, Q6K, Q80};
+        match $format {
+            Q::Q4_0 => $range::<Q40>($($arg),*),
+            Q::Q4_1 => $range::<Q41>($($arg),*),
+            Q::Q5_0 => $range::<Q50>($($arg),*),
+            Q::Q5_1 => $range::<Q51>($($arg),*),
+            Q::Q8_0 => $range::<Q80>($($arg),*),
+            Q::Q4K => $range::<Q4K>($($arg),*),
+            Q::Q6K => $range::<Q6K>($($arg),*),
+        }
+    }};
+}
+pub(crate) use by_format;
+
 /// How far ahead `prefetch_group` reaches, in bytes of `qs`. A static rather than a constant so
 /// that the `stream` example can compare distances in one process.
 pub static PREFETCH: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(2048);
