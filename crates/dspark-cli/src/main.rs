@@ -268,6 +268,7 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
                 seed: params.seed,
                 stop_tokens: params.stop_tokens.clone(),
                 min_survival: a.spec.min_survival,
+                gate: a.spec.drafter == "auto",
             };
             let r = generate_spec(&model, d.as_mut(), &prompt, &sp, &mut emit)?;
             (r.tokens, r.finish, r.stats.to_json())
@@ -297,6 +298,14 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
             line += &format!(", τ {tau:.2}");
         }
         eprintln!("{line}]");
+        let plain_steps = s.get("plain_steps").and_then(|v| v.as_u64()).unwrap_or(0);
+        if plain_steps > 0 {
+            eprintln!(
+                "[auto: drafting did not pay here, so {plain_steps} of {} steps decoded plainly \
+                 (probing again now and then); --drafter DIR or NAME forces drafting]",
+                plain_steps + s["rounds"].as_u64().unwrap_or(0)
+            );
+        }
         if a.compare && s.get("tau").is_some() {
             let g = generate(&model, &prompt, &params, |_| {})?;
             let spec_tok_s = s["decode_tok_s"].as_f64().unwrap_or(0.0);

@@ -140,10 +140,85 @@ fn sampled_speculative_runs_repeat_with_the_same_seed() {
         seed: 7,
         stop_tokens: m.tokenizer.eos().to_vec(),
         min_survival: 0.0,
+        gate: false,
     };
     let path = common::model("smollm2-135m");
     let mut d = DraftModel::new(Model::load(&path).unwrap(), "self", &m).unwrap();
     let a = generate_spec(&m, &mut d, &prompt, &p, |_| {}).unwrap().tokens;
     let b = generate_spec(&m, &mut d, &prompt, &p, |_| {}).unwrap().tokens;
     assert_eq!(a, b);
+}
+
+/// A drafter whose drafts are never accepted, counting what it is fed.
+struct Hopeless {
+    token: u32,
+    fed_rows: usize,
+}
+
+impl dspark_spec::Drafter for Hopeless {
+    fn name(&self) -> String {
+        "hopeless".into()
+    }
+    fn begin(&mut self, _: &[u32], f: &dspark_spec::TargetFeatures, _: u64) -> dspark_spec::DraftResult<()> {
+        self.fed_rows = f.rows;
+        Ok(())
+    }
+    fn propose(
+        &mut self,
+        _: &[u32],
+        n: usize,
+        _: &SamplingParams,
+    ) -> dspark_spec::DraftResult<dspark_spec::Proposal> {
+        Ok(dspark_spec::Proposal {
+            tokens: vec![self.token; n],
+            dists: vec![DraftDist::OneHot; n],
+            confidence: None,
+        })
+    }
+    fn observe(
+        &mut self,
+        _: &[u32],
+        _: usize,
+        f: &dspark_spec::TargetFeatures,
+    ) -> dspark_spec::DraftResult<()> {
+        self.fed_rows += f.rows;
+        Ok(())
+    }
+    fn taps(&self) -> TapSpec {
+        TapSpec { layers: vec![1], final_norm: false }
+    }
+}
+
+/// `--drafter auto`'s gate: drafts that never pay are soon not drafted at all (plain steps,
+/// probed again now and then), the output is still plain greedy output, and the drafter is fed
+/// every row that entered the cache, late, when drafting resumes.
+#[test]
+fn the_gate_stops_drafting_what_does_not_pay_and_keeps_the_output() {
+    let m = Model::load(&common::model("smollm2-135m")).unwrap();
+    // A control token the chat never produces: every draft is rejected.
+    let token = m.tokenizer.token_id("<|im_start|>").unwrap();
+    for prompt in math_and_code(&m, 2) {
+        let want = plain(&m, &prompt, 96);
+        let mut d = Hopeless { token, fed_rows: 0 };
+        let p = SpecParams {
+            max_tokens: 96,
+            draft_len: 7,
+            sampling: SamplingParams::default(),
+            seed: 0,
+            stop_tokens: m.tokenizer.eos().to_vec(),
+            min_survival: 0.0,
+            gate: true,
+        };
+        let r = generate_spec(&m, &mut d, &prompt, &p, |_| {}).unwrap();
+        assert_eq!(r.tokens, want);
+        assert_eq!(r.stats.accepted, 0);
+        assert!(
+            r.stats.plain_steps >= 3 * r.stats.rounds,
+            "{} plain steps, {} drafting rounds",
+            r.stats.plain_steps,
+            r.stats.rounds
+        );
+        // Fed rows never exceed what entered the cache, and lag it by at most the current pause.
+        assert!(d.fed_rows <= prompt.len() - 1 + r.tokens.len(), "fed {}", d.fed_rows);
+    }
 }

@@ -19,6 +19,9 @@ pub struct SpecStats {
     pub decode_s: f64,
     pub draft_s: f64,
     pub verify_s: f64,
+    /// Steps decoded without drafting because drafting did not pay (`--drafter auto`'s gate);
+    /// not counted in `rounds`.
+    pub plain_steps: usize,
 }
 
 impl SpecStats {
@@ -103,6 +106,7 @@ impl SpecStats {
             "accepted": self.accepted,
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,
+            "plain_steps": self.plain_steps,
         })
     }
 }
