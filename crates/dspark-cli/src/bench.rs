@@ -158,12 +158,12 @@ fn forward(m: &ModelArg, context: usize, reps: usize, json: bool, prefill: usize
         println!(
             "{}",
             serde_json::json!({"model": m.model, "context": context, "threads": rayon_threads(),
-                "kernels": dspark_kernels::kernel_path().name(), "cpu": cpu_summary(), "forward": table,
+                "kernels": kernels_in_use(), "cpu": cpu_summary(), "forward": table,
                 "prefill": prefill_s.map(|s| serde_json::json!({"tokens": prefill, "s": s, "tok_s": prefill as f64 / s}))})
         );
     } else {
         println!("model {}  context {context}  threads {}  (median of {reps})", m.model, rayon_threads());
-        println!("cpu {}  kernels {}", cpu_summary(), dspark_kernels::kernel_path().name());
+        println!("cpu {}  kernels {}", cpu_summary(), kernels_in_use());
         println!("{:>4} {:>10} {:>10} {:>12} {:>16}", "k", "ms", "tok/s", "vs single", "vs k × single");
         for (k, s) in rows {
             println!(
@@ -329,6 +329,14 @@ fn draft(
         );
     }
     Ok(())
+}
+
+/// The kernels the model's matmuls run on: candle's when `DSPARK_KERNELS=candle`, else our path.
+fn kernels_in_use() -> &'static str {
+    match KernelChoice::from_env() {
+        KernelChoice::Candle => "candle",
+        _ => dspark_kernels::kernel_path().name(),
+    }
 }
 
 /// The CPU's model name and the instruction sets the kernels care about, for benchmark records.
