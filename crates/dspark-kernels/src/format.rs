@@ -139,7 +139,8 @@ pub struct Q8Rows {
     pub qs: Vec<i8>,
     /// Per block (`rows × nbp`): the scale.
     pub d: Vec<f32>,
-    /// Per lane (`rows × nbp × 2`): its block's scale.
+    /// Per lane (`rows × nbp × 2`): its block's scale — `d` with each entry twice, kept so the
+    /// kernels load it with one instruction per row and group instead of shuffling `d` there.
     pub dl: Vec<f32>,
     /// Per lane (`rows × nbp × 2`, 16 per group): the sum of its 16 integers, and that sum times
     /// its block's scale (the offset term of "_1" formats).

@@ -33,10 +33,6 @@ use rayon::prelude::*;
 /// chunk is one pass over the weights).
 pub const MAX_BATCH_ROWS: usize = 64;
 
-pub fn avx2_available() -> bool {
-    KernelPath::Avx2.available()
-}
-
 struct OutPtr(*mut f32);
 // The threads write disjoint column ranges of the output.
 unsafe impl Send for OutPtr {}

@@ -131,10 +131,10 @@ impl<'s, 'a> Batch<'s, 'a> {
 const ROW_BLOCK: usize = 64;
 
 /// Causal attention of rows `i0..i0 + out.len() / hd` (row i at position `pos0 + i`) over keys
-/// `lo(i)..=pos0 + i`. Keys outer, rows inner: each key and value is read once per block of rows
-/// instead of once per row (a long prompt's chunk would otherwise stream the whole cache per
-/// row). Per row, the dots, the softmax and the sums over keys run in the same order as for that
-/// row alone, so a row's result does not depend on its batch.
+/// `lo(i)..=pos0 + i`. Rows go four at a time over the keys all four see, so each key and value
+/// is read once per four rows instead of once per row (a long prompt's chunk would otherwise
+/// stream the whole cache per row). Per row, the dots, the softmax and the sums over keys run in
+/// the same order as for that row alone, so a row's result does not depend on its batch.
 #[allow(clippy::too_many_arguments)]
 fn attend_rows<'q>(
     pos0: usize,
@@ -156,13 +156,14 @@ fn attend_rows<'q>(
         let end = window.map_or(n, |w| (j + w).saturating_sub(pos0 + i0).min(n));
         j.saturating_sub(pos0 + i0)..end
     };
-    // Scores four rows at a time over the keys they share (each key read once per four rows,
-    // each row's scores written in order); keys only some of the four see go one row at a time.
+    // The keys all four rows `i..i + 4` see (empty for a group of fewer than four): the fast
+    // sweeps run over these; keys before and after them go one row at a time.
+    let shared = |i: usize| if i + 4 <= n { lo(i + 3)..pos0 + i0 + i + 1 } else { len..len };
+    // Scores: each row's scores are written in key order.
     let mut scores = vec![0f32; n * len];
     for i in (0..n).step_by(4) {
         let rows = i..(i + 4).min(n);
-        // Keys all four rows see in one sweep; before and after it, one row at a time.
-        let (a, b) = if rows.len() == 4 { (lo(i + 3), pos0 + i0 + i + 1) } else { (len, len) };
+        let (a, b) = (shared(i).start, shared(i).end);
         if a < b {
             let q = [0, 1, 2, 3].map(|r| q_at(i0 + i + r));
             let mut it = scores[i * len..(i + 4) * len].chunks_mut(len);
@@ -192,7 +193,7 @@ fn attend_rows<'q>(
     // element still takes its keys in increasing order.
     for i in (0..n).step_by(4) {
         let rows = i..(i + 4).min(n);
-        let (a, b) = if rows.len() == 4 { (lo(i + 3), pos0 + i0 + i + 1) } else { (len, len) };
+        let (a, b) = (shared(i).start, shared(i).end);
         let add = |out: &mut [f32], js: std::ops::Range<usize>| {
             for j in js {
                 for r in rows_of(j) {
