@@ -30,6 +30,10 @@ pub enum DataCmd {
         max_chars: usize,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Keep only prompts in this domain: `code` keeps programming questions (a code fence,
+        /// or two programming words; see `is_code_prompt`) for a code model's drafter.
+        #[arg(long, value_parser = ["code"])]
+        topic: Option<String>,
     },
     /// Answer prompts with the target (temperature 0.7, top-p 0.8, top-k 20 as in the paper),
     /// several sequences per forward. Appends one JSON line per finished answer
@@ -87,7 +91,7 @@ pub enum DataCmd {
 
 pub fn run(cmd: DataCmd) -> Result<()> {
     match cmd {
-        DataCmd::Prompts { out, max, bench_dir, min_chars, max_chars, seed } => {
+        DataCmd::Prompts { out, max, bench_dir, min_chars, max_chars, seed, topic } => {
             let sharegpt = dspark_hub::fetch_data("sharegpt")?;
             let text = std::fs::read_to_string(&sharegpt)
                 .with_context(|| format!("reading {}", sharegpt.display()))?;
@@ -104,6 +108,13 @@ pub fn run(cmd: DataCmd) -> Result<()> {
                 bench.extend(data::benchmark_texts(&p)?);
             }
             let n_turns = turns.len();
+            let turns: Vec<String> = match topic.as_deref() {
+                Some(_) => turns.into_iter().filter(|t| data::is_code_prompt(t)).collect(),
+                None => turns,
+            };
+            if topic.is_some() {
+                eprintln!("{} of {n_turns} first turns are about code", turns.len());
+            }
             let mut kept = data::select_prompts(turns, &bench, min_chars, max_chars);
             let n_kept = kept.len();
             use rand::seq::SliceRandom;

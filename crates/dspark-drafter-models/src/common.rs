@@ -226,7 +226,7 @@ impl LmHead {
     /// `h`: `(n, hidden)` → `(n, V_d)`.
     pub fn logits(&self, h: &Tensor) -> Result<Tensor> {
         match self {
-            Self::Dense(w) => Ok(h.matmul(&w.t()?)?),
+            Self::Dense(w) => Ok(crate::nn::matmul_t(h, w)?),
             Self::Rows(q) => Ok(q.forward(&h.contiguous()?)?),
             Self::Target(m) => {
                 let n = h.dim(0)?;

@@ -151,6 +151,9 @@ pub struct InitOptions {
     pub method: Method,
     /// Draft decoder layers (EAGLE-3 always has one).
     pub layers: usize,
+    /// Width of the draft layers' MLP (default: the target's). A narrower MLP keeps a drafter
+    /// for a wide target small (Qwen2.5-1.5B's 8 960 would make one layer 232 MB in f32).
+    pub intermediate: Option<usize>,
     /// γ, the drafts per round.
     pub gamma: usize,
     pub head: HeadKind,
@@ -170,6 +173,7 @@ impl Default for InitOptions {
         Self {
             method: Method::Dspark,
             layers: 1,
+            intermediate: None,
             gamma: 7,
             head: HeadKind::Markov,
             rank: 64,
@@ -298,7 +302,7 @@ pub fn init_config(target: &Model, target_name: &str, o: &InitOptions) -> Result
         architectures: vec![arch.into()],
         model_type: config::family_name(c.family).into(),
         hidden_size: c.hidden,
-        intermediate_size: c.intermediate,
+        intermediate_size: o.intermediate.unwrap_or(c.intermediate),
         num_hidden_layers: if eagle { 1 } else { o.layers },
         num_attention_heads: c.n_heads,
         num_key_value_heads: c.n_kv_heads,

@@ -29,6 +29,7 @@ fn opts(method: Method, head: HeadKind, vocab: Option<Vec<u32>>, layout: BlockLa
     InitOptions {
         method,
         layers: 2,
+        intermediate: None,
         gamma: 5,
         head,
         rank: 8,

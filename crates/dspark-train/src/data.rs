@@ -124,6 +124,100 @@ pub fn select_prompts(
     out
 }
 
+/// Whether a prompt asks about programming: it holds a code fence, or at least two distinct
+/// programming words (one is not enough: "python" or "class" alone is often about snakes or
+/// school). Used to pick training prompts in a code model's domain; a rule anyone can read and
+/// rerun rather than a classifier.
+pub fn is_code_prompt(s: &str) -> bool {
+    if s.contains("```") {
+        return true;
+    }
+    const WORDS: &[&str] = &[
+        "python",
+        "javascript",
+        "typescript",
+        "java",
+        "c++",
+        "c#",
+        "golang",
+        "rust",
+        "sql",
+        "html",
+        "css",
+        "php",
+        "ruby",
+        "kotlin",
+        "swift",
+        "bash",
+        "shell",
+        "powershell",
+        "react",
+        "node.js",
+        "nodejs",
+        "django",
+        "flask",
+        "pandas",
+        "numpy",
+        "regex",
+        "api",
+        "json",
+        "yaml",
+        "function",
+        "functions",
+        "method",
+        "class",
+        "variable",
+        "array",
+        "string",
+        "integer",
+        "loop",
+        "code",
+        "script",
+        "program",
+        "compile",
+        "compiler",
+        "debug",
+        "bug",
+        "error",
+        "exception",
+        "algorithm",
+        "database",
+        "query",
+        "library",
+        "import",
+        "def",
+        "return",
+        "const",
+        "async",
+        "git",
+        "docker",
+        "linux",
+        "implement",
+        "endpoint",
+        "frontend",
+        "backend",
+        "unity",
+        "excel",
+        "formula",
+        "vba",
+        "matlab",
+        "dataframe",
+        "typescript",
+        "kubernetes",
+        "aws",
+        "npm",
+    ];
+    let lower = s.to_lowercase();
+    let mut hits = HashSet::new();
+    for w in lower.split(|c: char| !(c.is_alphanumeric() || c == '+' || c == '#' || c == '.' || c == '_')) {
+        let w = w.trim_end_matches('.');
+        if WORDS.contains(&w) {
+            hits.insert(w.to_string());
+        }
+    }
+    hits.len() >= 2 || (lower.contains("def ") && lower.contains("():")) || lower.contains("();")
+}
+
 /// One regenerated training sample.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Sample {

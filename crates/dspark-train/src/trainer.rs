@@ -81,6 +81,23 @@ pub struct StepReport {
     /// Draft positions trained on this step.
     pub positions: usize,
     pub step_s: f64,
+    /// Where the step's time went (seconds): the profile `docs/TRAINING.md` reads.
+    pub phases: Phases,
+}
+
+/// Seconds per phase of a training step.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Phases {
+    /// Target features: read from the cache, or the target's forward.
+    pub features: f64,
+    /// The drafter's forward up to the draft logits, and the target's distribution.
+    pub forward: f64,
+    /// The loss and its gradient at the logits.
+    pub loss: f64,
+    /// Back-propagation through the drafter.
+    pub backward: f64,
+    /// Gradient clipping and the AdamW update.
+    pub optimizer: f64,
 }
 
 pub struct Trainer {
@@ -255,18 +272,31 @@ impl Trainer {
         Ok((f, fin))
     }
 
-    /// The target's distribution over the draft vocabulary at `rows` (constant).
+    /// The target's distribution over the draft vocabulary at `rows` (constant). Overlapping
+    /// blocks ask for the same row several times; each distinct row is computed once.
     fn target_probs(&self, fin: &Tensor, rows: &[usize]) -> Result<Tensor> {
-        let idx =
-            Tensor::from_vec(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), rows.len(), &Device::Cpu)?;
-        Ok(softmax(&fin.index_select(&idx, 0)?.matmul(&self.target_head.t()?)?)?.detach())
+        let mut distinct: Vec<usize> = rows.to_vec();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let at = |r: &usize| distinct.binary_search(r).expect("listed") as u32;
+        let pick = Tensor::from_vec(rows.iter().map(at).collect::<Vec<_>>(), rows.len(), &Device::Cpu)?;
+        let idx = Tensor::from_vec(
+            distinct.iter().map(|&r| r as u32).collect::<Vec<_>>(),
+            distinct.len(),
+            &Device::Cpu,
+        )?;
+        let p = softmax(&fin.index_select(&idx, 0)?.matmul(&self.target_head.t()?)?)?;
+        Ok(p.index_select(&pick, 0)?.detach())
     }
 
     /// Loss of one sample, with per-position `c*` sums and counts, and positions trained.
-    fn sample_loss(&self, s: &Sample, rng: &mut impl Rng) -> Result<BatchLoss> {
+    fn sample_loss(&self, s: &Sample, rng: &mut impl Rng, ph: &mut Phases) -> Result<BatchLoss> {
         let len = s.tokens.len().min(self.cfg.max_len);
         let tokens = &s.tokens[..len];
+        let t0 = Instant::now();
         let (feats, fin) = self.features(s.index, tokens)?;
+        ph.features += t0.elapsed().as_secs_f64();
+        let t0 = Instant::now();
         let gamma = self.config.gamma();
         let mut acc = vec![(0f32, 0u32); gamma];
         match &self.net {
@@ -294,7 +324,10 @@ impl Trainer {
                 let (logits, conf) = m.train_heads(&hidden, &prev)?;
                 let mix: Mix =
                     if self.config.ext().method == Method::Dspark { loss::DSPARK } else { loss::CE_ONLY };
+                ph.forward += t0.elapsed().as_secs_f64();
+                let t0 = Instant::now();
                 let out = loss::loss(&logits, conf.as_ref(), &t, mix)?;
+                ph.loss += t0.elapsed().as_secs_f64();
                 for (i, c) in out.c_star.iter().enumerate() {
                     if t.valid[i] {
                         acc[i % gamma].0 += c;
@@ -332,6 +365,7 @@ impl Trainer {
                     }
                 }
                 let total = if wsum > 0.0 { (total / wsum)? } else { total };
+                ph.forward += t0.elapsed().as_secs_f64();
                 Ok((total, acc, positions))
             }
         }
@@ -341,6 +375,10 @@ impl Trainer {
     /// step runs, so a resumed run repeats the uninterrupted one. Also per-position acceptance
     /// estimates and the positions trained.
     pub fn batch_loss(&self, step: usize) -> Result<BatchLoss> {
+        self.batch_loss_timed(step, &mut Phases::default())
+    }
+
+    fn batch_loss_timed(&self, step: usize, ph: &mut Phases) -> Result<BatchLoss> {
         let mut rng = rand::rngs::StdRng::seed_from_u64(
             self.cfg.seed ^ (step as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
         );
@@ -350,7 +388,7 @@ impl Trainer {
         let mut positions = 0;
         for _ in 0..self.cfg.batch {
             let s = &self.data[rng.random_range(0..self.data.len())];
-            let (l, a, p) = self.sample_loss(s, &mut rng)?;
+            let (l, a, p) = self.sample_loss(s, &mut rng, ph)?;
             positions += p;
             for (x, y) in acc.iter_mut().zip(a) {
                 x.0 += y.0;
@@ -368,11 +406,16 @@ impl Trainer {
     pub fn step(&mut self) -> Result<StepReport> {
         let t0 = Instant::now();
         let step = self.state.step;
-        let (loss, acc, positions) = self.batch_loss(step)?;
+        let mut phases = Phases::default();
+        let (loss, acc, positions) = self.batch_loss_timed(step, &mut phases)?;
+        let t1 = Instant::now();
         let grads = loss.backward()?;
+        phases.backward = t1.elapsed().as_secs_f64();
+        let t1 = Instant::now();
         let warmup = ((self.cfg.steps as f64 * self.cfg.warmup_frac).ceil() as usize).max(1);
         let lr = lr_at(step, self.cfg.steps, warmup, self.cfg.lr);
         let grad_norm = self.opt.step(&grads, lr, self.cfg.clip)?;
+        phases.optimizer = t1.elapsed().as_secs_f64();
         self.state.step += 1;
         self.state.positions += positions as u64;
         let step_s = t0.elapsed().as_secs_f64();
@@ -385,6 +428,7 @@ impl Trainer {
             grad_norm,
             positions,
             step_s,
+            phases,
         })
     }
 

@@ -3,7 +3,9 @@
 
 use dspark_model::testing::{weights, write_hf, Tiny};
 use dspark_model::Model;
-use dspark_train::data::{read_samples, regen_sampling, regenerate, select_prompts, sharegpt_first_turns};
+use dspark_train::data::{
+    is_code_prompt, read_samples, regen_sampling, regenerate, select_prompts, sharegpt_first_turns,
+};
 
 #[test]
 fn sharegpt_is_read_record_by_record_up_to_the_truncation() {
@@ -151,4 +153,23 @@ fn regeneration_through_an_openai_compatible_endpoint() {
     assert!(err.contains("run again to resume"), "{err}");
     let err = fail("https://x");
     assert!(err.contains("http://"), "{err}");
+}
+
+#[test]
+fn code_prompts_are_told_from_other_prompts() {
+    for p in [
+        "How do I reverse a string in Python without a loop?",
+        "```\nfoo = bar()\n```\nwhy does this fail?",
+        "Write a SQL query that returns each customer's latest order",
+        "My React component throws an error on mount",
+    ] {
+        assert!(is_code_prompt(p), "{p}");
+    }
+    for p in [
+        "What do pythons eat?",
+        "Write a poem about autumn leaves",
+        "Which class should I take next semester, history or art?",
+    ] {
+        assert!(!is_code_prompt(p), "{p}");
+    }
 }

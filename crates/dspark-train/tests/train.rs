@@ -31,6 +31,7 @@ fn opts(method: Method, head: HeadKind, vocab: Option<Vec<u32>>) -> InitOptions 
     InitOptions {
         method,
         layers: 1,
+        intermediate: None,
         gamma: 4,
         head,
         rank: 8,
