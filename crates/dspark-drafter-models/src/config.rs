@@ -450,9 +450,11 @@ impl DrafterConfig {
         if let Some(n) = self.num_target_layers.filter(|&n| n != c.n_layers) {
             bad.push(format!("num_target_layers {n} but the target has {} layers", c.n_layers));
         }
-        // Our drafters build their layers like the target's; a public checkpoint's model_type
-        // is its own layer recipe (SafeAILab's are `llama` whatever the target).
-        if self.format == Format::Dspark && self.model_type != family_name(c.family) {
+        // Drafters made by `init-drafter` build their layers like the target's; a public
+        // checkpoint's model_type (kept when we save it) is its own layer recipe (SafeAILab's
+        // are `llama` whatever the target).
+        let ours = self.format == Format::Dspark && self.ext().target.is_some();
+        if ours && self.model_type != family_name(c.family) {
             bad.push(format!("family {} vs the target's {}", self.model_type, family_name(c.family)));
         }
         if let Some(want) = &self.ext().target {

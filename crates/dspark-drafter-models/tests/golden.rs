@@ -279,3 +279,116 @@ fn safeailab_eagle3_pytorch_bin_matches_official_outputs() {
 fn safeailab_eagle3_safetensors_matches_official_outputs() {
     eprintln!("max abs error {}", safeailab("model-safetensors"));
 }
+
+/// A copy of a golden checkpoint with its config edited by `edit` and, with `extra`, one more
+/// tensor in its weights.
+fn altered(variant: &str, edit: impl FnOnce(&mut Value), extra: Option<&str>) -> tempfile::TempDir {
+    let src = golden().join(variant).join("model");
+    let d = tempfile::tempdir().unwrap();
+    let mut cfg = json(&src.join("config.json"));
+    edit(&mut cfg);
+    std::fs::write(d.path().join("config.json"), cfg.to_string()).unwrap();
+    let st = src.join("model.safetensors");
+    match extra {
+        None => {
+            std::fs::copy(&st, d.path().join("model.safetensors")).unwrap();
+        }
+        Some(name) => {
+            let mut map = candle_core::safetensors::load(&st, &candle_core::Device::Cpu).unwrap();
+            map.insert(
+                name.to_string(),
+                Tensor::zeros(3, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap(),
+            );
+            candle_core::safetensors::save(&map, d.path().join("model.safetensors")).unwrap();
+        }
+    }
+    d
+}
+
+fn refusal(dir: &Path) -> String {
+    match dspark_drafter_models::load(dir, target(), "target") {
+        Ok(_) => panic!("{} loaded", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn an_unused_tensor_is_refused_by_name() {
+    let d = altered("deepspec-dspark-markov", |_| {}, Some("markov_head.gate_proj.weight"));
+    let err = refusal(d.path());
+    assert!(err.contains("`markov_head.gate_proj.weight`"), "{err}");
+    // The RNN head's tensors are not silently ignored by a vanilla-head config either.
+    let d = altered("deepspec-dspark-rnn", |c| c["markov_head_type"] = "vanilla".into(), None);
+    let err = refusal(d.path());
+    assert!(err.contains("markov_head.joint_proj.weight"), "{err}");
+}
+
+#[test]
+fn unimplemented_config_fields_are_refused_by_name_and_value() {
+    for (variant, key, value, says) in [
+        (
+            "deepspec-dspark-markov",
+            "markov_head_type",
+            serde_json::json!("gated"),
+            "`markov_head_type` = \"gated\"",
+        ),
+        ("deepspec-dspark-markov", "markov_head_type", serde_json::json!("lstm"), "\"lstm\""),
+        (
+            "deepspec-dflash",
+            "rope_parameters",
+            serde_json::json!({"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}),
+            "rope_type \"yarn\"",
+        ),
+        (
+            "zlab-dflash",
+            "rope_scaling",
+            serde_json::json!({"rope_type": "llama3", "factor": 8.0}),
+            "\"llama3\"",
+        ),
+        (
+            "zlab-dflash",
+            "layer_types",
+            serde_json::json!(["sliding_attention", "full_attention", "full_attention"]),
+            "`layer_types`",
+        ),
+        ("deepspec-eagle3", "is_causal", serde_json::json!(false), "`is_causal` = false"),
+        ("deepspec-eagle3", "norm_before_residual", serde_json::json!(true), "`norm_before_residual` = true"),
+        ("zlab-dflash", "use_sliding_window", serde_json::json!(true), "`use_sliding_window` = true"),
+        ("deepspec-dflash", "hidden_act", serde_json::json!("gelu"), "`hidden_act` = \"gelu\""),
+        ("deepspec-dflash", "some_new_switch", serde_json::json!(3), "`some_new_switch` = 3"),
+        (
+            "zlab-dflash",
+            "dflash_config",
+            serde_json::json!({"mask_token_id": 511, "causal": true}),
+            "`causal` = true",
+        ),
+    ] {
+        let d = altered(variant, |c| c[key] = value, None);
+        let err = refusal(d.path());
+        assert!(err.contains(says), "{variant} {key}: `{err}` should say `{says}`");
+    }
+}
+
+#[test]
+fn the_final_norm_output_is_not_a_target_layer_of_a_public_drafter() {
+    let d = altered("deepspec-dflash", |c| c["target_layer_ids"] = serde_json::json!([-1, 2, 7]), None);
+    let err = refusal(d.path());
+    assert!(err.contains("target layer 7"), "{err}");
+}
+
+#[test]
+fn a_loaded_public_checkpoint_saves_as_ours_and_loads_back() {
+    let t = target();
+    for variant in ["deepspec-dspark-rnn", "zlab-dflash", "deepspec-eagle3", "safeailab-eagle3"] {
+        let net =
+            dspark_drafter_models::load(&golden().join(variant).join("model"), t.clone(), "target").unwrap();
+        let d = tempfile::tempdir().unwrap();
+        net.save(d.path()).unwrap();
+        let back = dspark_drafter_models::load(d.path(), t.clone(), "target")
+            .unwrap_or_else(|e| panic!("{variant}: {e}"));
+        assert_eq!(back.config().gamma(), net.config().gamma(), "{variant}");
+        assert_eq!(back.method(), net.method(), "{variant}");
+        assert_eq!(back.vocab().target_ids(), net.vocab().target_ids(), "{variant}");
+        assert_eq!(back.config().target_layer_ids, net.config().target_layer_ids, "{variant}");
+    }
+}
