@@ -138,14 +138,14 @@ def main():
     logits, conf, toks = [], [], []
     for k in range(len(hid)):
         if head_kind == "markov":
-            e = w["markov_head.markov_w1"][prev]
-            lk = U[k] + w["markov_head.markov_w2"] @ e
+            e = w["markov_head.markov_w1.weight"][prev]
+            lk = U[k] + w["markov_head.markov_w2.weight"] @ e
         elif head_kind == "rnn":
-            e = w["rnn_head.rnn_w1"][prev]
-            z = linear(w, "rnn_head.cell", np.concatenate([state, e, hid[k]]))
+            e = w["markov_head.markov_w1.weight"][prev]
+            z = linear(w, "markov_head.joint_proj", np.concatenate([state, e, hid[k]]))
             g, c, o = z[:r], z[r:2 * r], z[2 * r:]
             state = sigmoid(g) * state + (1 - sigmoid(g)) * np.tanh(c)
-            lk = U[k] + w["rnn_head.rnn_w2"] @ np.tanh(o)
+            lk = U[k] + w["markov_head.markov_w2.weight"] @ np.tanh(o)
         else:
             e, lk = None, U[k]
         if "confidence_head.proj.weight" in w:

@@ -201,18 +201,16 @@ fn repeating(m: &Arc<Model>, o: &InitOptions) -> Box<dyn Drafter> {
         let layer_weight = name.starts_with("layers.") && !name.ends_with("layernorm.weight");
         if name == "fc.weight" || name == "norm.weight" || layer_weight {
             map.insert(name, zero);
-        } else if name == "markov_head.markov_w1" {
-            map.insert("markov_head.markov_w2".into(), rows_of(&t));
-        } else if name == "rnn_head.rnn_w1" {
-            map.insert("rnn_head.rnn_w2".into(), rows_of(&t));
-        } else if name == "rnn_head.cell.weight" {
+        } else if name == "markov_head.markov_w1.weight" {
+            map.insert("markov_head.markov_w2.weight".into(), rows_of(&t));
+        } else if name == "markov_head.joint_proj.weight" {
             // Output gate o = W1[x]: identity from the embedding slice of [s; W1[x]; h].
             let (rows, cols) = t.dims2().unwrap();
             let v: Vec<f32> = (0..rows * cols)
                 .map(|i| if i / cols >= 2 * r && i % cols == i / cols - r { 1.0 } else { 0.0 })
                 .collect();
             map.insert(name, Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap());
-        } else if name == "rnn_head.cell.bias" {
+        } else if name == "markov_head.joint_proj.bias" {
             map.insert(name, zero);
         }
     }

@@ -43,6 +43,9 @@ pub fn layer_specs(p: &str, c: &DrafterConfig, attn_in: usize, std: f32) -> Resu
         s.push((format!("{p}self_attn.q_proj.bias"), vec![q], r));
         s.push((format!("{p}self_attn.k_proj.bias"), vec![kv], r));
         s.push((format!("{p}self_attn.v_proj.bias"), vec![kv], r));
+        if c.family()? != Family::Qwen2 {
+            s.push((format!("{p}self_attn.o_proj.bias"), vec![d], r));
+        }
     }
     if c.family()? == Family::Qwen3 {
         s.push((format!("{p}self_attn.q_norm.weight"), vec![hd], Init::Ones));
@@ -72,8 +75,12 @@ impl DecoderLayer {
     pub fn load(s: &Store, p: &str, c: &DrafterConfig, attn_in: usize) -> Result<Self> {
         let (d, hd) = (c.hidden_size, c.head_dim);
         let (q, kv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+        // Llama and Qwen3 attention with `attention_bias` also biases the output projection;
+        // Qwen2 biases only q/k/v.
+        let qwen2 = c.family()? == Family::Qwen2;
         let lin = |name: &str, out: usize, inp: usize| -> Result<Linear> {
-            let bias = if c.attention_bias && !name.ends_with("o_proj") && name.contains("self_attn") {
+            let o_proj = name.ends_with("o_proj");
+            let bias = if c.attention_bias && name.contains("self_attn") && !(o_proj && qwen2) {
                 Some(s.get(&format!("{p}{name}.bias"), &[out])?)
             } else {
                 None
@@ -131,7 +138,46 @@ impl DraftVocab {
 
     /// From a checkpoint's `d2t` tensor (offsets: target id = draft id + d2t[draft id]).
     pub fn load(s: &Store, c: &DrafterConfig) -> Result<Self> {
-        let Some(vd) = c.draft_vocab_size else { return Self::new(None, c.vocab_size) };
+        let Some(vd) = c.draft_vocab_size else {
+            // SafeAILab keeps identity maps in a full-vocabulary checkpoint and its loader
+            // drops them; so do we, once they are checked to be the identity.
+            if c.format == crate::config::Format::SafeAiLab {
+                let full = Self::new(Some((0..c.vocab_size as u32).collect()), c.vocab_size)?;
+                if s.contains("d2t")
+                    && Self::load_d2t(s, c.vocab_size, c.vocab_size)?.target_ids() != full.target_ids()
+                {
+                    return Err(DrafterError::Checkpoint(
+                        "`d2t` of a full-vocabulary checkpoint is not the identity; set draft_vocab_size or fix the file".into(),
+                    ));
+                }
+                full.check_t2d(s)?;
+            }
+            return Self::new(None, c.vocab_size);
+        };
+        let v = Self::load_d2t(s, vd, c.vocab_size)?;
+        v.check_t2d(s)?;
+        Ok(v)
+    }
+
+    /// SafeAILab's `t2d` (target id → in the draft vocabulary) says nothing `d2t` does not; it
+    /// must agree with it.
+    fn check_t2d(&self, s: &Store) -> Result<()> {
+        let Some(t) = s.raw("t2d") else { return Ok(()) };
+        let flags = t.to_dtype(DType::U8)?.flatten_all()?.to_vec1::<u8>()?;
+        let mut want = vec![0u8; self.full];
+        for i in self.target_ids() {
+            want[i as usize] = 1;
+        }
+        if flags.len() != self.full || flags.iter().map(|&f| u8::from(f != 0)).ne(want) {
+            return Err(DrafterError::Checkpoint(format!(
+                "`t2d` ({} entries) does not mark exactly the target ids of `d2t`; the checkpoint is inconsistent",
+                flags.len()
+            )));
+        }
+        Ok(())
+    }
+
+    fn load_d2t(s: &Store, vd: usize, full: usize) -> Result<Self> {
         let t = s.raw("d2t").ok_or_else(|| {
             DrafterError::Checkpoint(format!(
                 "config has draft_vocab_size {vd} but the checkpoint lacks `d2t`"
@@ -141,8 +187,9 @@ impl DraftVocab {
             return Err(DrafterError::Checkpoint(format!("`d2t` has shape {:?}, expected [{vd}]", t.dims())));
         }
         let off = t.to_dtype(DType::I64)?.to_vec1::<i64>()?;
-        let ids = off.iter().enumerate().map(|(i, o)| (i as i64 + o) as u32).collect();
-        Self::new(Some(ids), c.vocab_size)
+        let ids =
+            off.iter().enumerate().map(|(i, o)| u32::try_from(i as i64 + o).unwrap_or(u32::MAX)).collect();
+        Self::new(Some(ids), full)
     }
 
     pub fn tensor(&self) -> Result<Option<Tensor>> {
@@ -234,6 +281,45 @@ impl LmHead {
                 let y = m.lm_head_logits(&x, n)?;
                 Ok(Tensor::from_vec(y, (n, m.vocab_size()), &Device::Cpu)?)
             }
+        }
+    }
+}
+
+/// Where a drafter's token embeddings come from: its checkpoint's own `embed_tokens` (DeepSpec
+/// ships a copy of the target's) or the target's.
+#[derive(Clone)]
+pub enum Embedding {
+    Target(Arc<Model>),
+    Own(Tensor),
+}
+
+impl Embedding {
+    /// The checkpoint's `embed_tokens.weight` when it has one.
+    pub fn load(s: &Store, c: &DrafterConfig, target: &Arc<Model>) -> Result<Self> {
+        Ok(match s.opt("embed_tokens.weight", &[c.vocab_size, c.hidden_size])? {
+            Some(t) => Self::Own(t),
+            None => Self::Target(target.clone()),
+        })
+    }
+
+    /// `(tokens.len(), hidden)`.
+    pub fn rows(&self, tokens: &[u32]) -> Result<Tensor> {
+        match self {
+            Self::Target(m) => embed(m, tokens),
+            Self::Own(w) => {
+                if let Some(&t) = tokens.iter().find(|&&t| t as usize >= w.dim(0).unwrap_or(0)) {
+                    return Err(DrafterError::Input(format!("token id {t} is outside the vocabulary")));
+                }
+                let ids = Tensor::from_slice(tokens, tokens.len(), &Device::Cpu)?;
+                Ok(w.index_select(&ids, 0)?)
+            }
+        }
+    }
+
+    pub fn own(&self) -> Option<&Tensor> {
+        match self {
+            Self::Own(t) => Some(t),
+            Self::Target(_) => None,
         }
     }
 }

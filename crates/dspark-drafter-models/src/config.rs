@@ -1,5 +1,6 @@
 //! `config.json` of a drafter checkpoint: the keys of the public DeepSpec/EAGLE-3 configs, plus
-//! our extensions under `"dspark"` (which those loaders ignore).
+//! our extensions under `"dspark"` (which those loaders ignore). Public checkpoints' own configs
+//! are translated into this form by [`crate::formats`].
 
 use crate::{DrafterError, Result};
 use dspark_model::{Family, Model};
@@ -142,9 +143,70 @@ pub struct Extensions {
     pub calibration_temperatures: Option<Vec<f32>>,
     #[serde(default)]
     pub target: Option<TargetId>,
+    /// The confidence head reads `[h_k ; W1[x_{k−1}]]` (DeepSpec's `confidence_head_with_markov`)
+    /// rather than `h_k` alone.
+    #[serde(default = "yes")]
+    pub confidence_with_markov: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Whose saver wrote a checkpoint: it decides the tensor names that differ between them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Format {
+    /// Ours (`"dspark"` key in config.json).
+    #[default]
+    Dspark,
+    /// deepseek-ai/DeepSpec (`Qwen3DSparkModel`, `Qwen3Eagle3Model`).
+    DeepSpec,
+    /// z-lab/dflash (`DFlashDraftModel` with `dflash_config`).
+    Zlab,
+    /// SafeAILab/EAGLE and vLLM EAGLE-3 (`midlayer.*`, `draft_vocab_size`).
+    SafeAiLab,
+}
+
+impl std::fmt::Display for Format {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Dspark => "dspark",
+            Self::DeepSpec => "DeepSpec",
+            Self::Zlab => "z-lab DFlash",
+            Self::SafeAiLab => "SafeAILab EAGLE-3",
+        })
+    }
+}
+
+/// Target layer ids as DeepSpec writes them: `-1` is the embedding output
+/// ([`dspark_model::EMBEDDING_TAP`]).
+mod layer_ids {
+    use dspark_model::EMBEDDING_TAP;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(ids: &[usize], s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(ids.iter().map(|&i| if i == EMBEDDING_TAP { -1 } else { i as i64 }))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<usize>, D::Error> {
+        Vec::<i64>::deserialize(d)?
+            .into_iter()
+            .map(|i| super::layer_id(i).map_err(serde::de::Error::custom))
+            .collect()
+    }
+}
+
+/// A target layer id from a config: `-1` → the embedding output, `0…` → that decoder layer.
+pub fn layer_id(i: i64) -> std::result::Result<usize, String> {
+    match i {
+        -1 => Ok(dspark_model::EMBEDDING_TAP),
+        i if (0..MAX_LAYERS as i64).contains(&i) => Ok(i as usize),
+        i => Err(format!("target layer id {i} is neither -1 (the embedding output) nor a layer index")),
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DrafterConfig {
     pub architectures: Vec<String>,
     /// The target's family; draft layers are built like its decoder layers.
@@ -165,6 +227,9 @@ pub struct DrafterConfig {
     pub block_size: usize,
     #[serde(default)]
     pub markov_rank: usize,
+    /// Decoder layers whose outputs are fused, in order ([`dspark_model::EMBEDDING_TAP`] for
+    /// the embedding output, written `-1`).
+    #[serde(with = "layer_ids")]
     pub target_layer_ids: Vec<usize>,
     #[serde(default)]
     pub mask_token_id: Option<u32>,
@@ -173,6 +238,16 @@ pub struct DrafterConfig {
     pub draft_vocab_size: Option<usize>,
     #[serde(default)]
     pub dspark: Option<Extensions>,
+    /// Whose saver wrote the checkpoint (not saved: we always write our own form).
+    #[serde(skip)]
+    pub format: Format,
+    /// The target's depth the checkpoint declares (`num_target_layers`), checked at load.
+    #[serde(skip)]
+    pub num_target_layers: Option<usize>,
+    /// SafeAILab's EAGLE-3 reads the inputs of target layers 2, L/2 and L−3, fixed by its code
+    /// rather than its config: `target_layer_ids` is filled in once the target is known.
+    #[serde(skip)]
+    pub taps_from_target: bool,
 }
 
 impl DrafterConfig {
@@ -195,6 +270,7 @@ impl DrafterConfig {
                 layout: BlockLayout::Dspark,
                 calibration_temperatures: None,
                 target: None,
+                confidence_with_markov: true,
             }
         })
     }
@@ -273,7 +349,9 @@ impl DrafterConfig {
                 self.vocab_size
             ));
         }
-        if self.target_layer_ids.is_empty() || self.target_layer_ids.len() > MAX_LAYERS {
+        if (self.target_layer_ids.is_empty() && !self.taps_from_target)
+            || self.target_layer_ids.len() > MAX_LAYERS
+        {
             return bad(format!("target_layer_ids has {} entries", self.target_layer_ids.len()));
         }
         if let Some(m) = self.mask_token_id.filter(|&m| m as usize >= self.vocab_size) {
@@ -297,6 +375,55 @@ impl DrafterConfig {
         Ok(())
     }
 
+    /// The names tensor `canonical` (as our saver writes it) may have in this checkpoint's file,
+    /// in order of preference: DeepSpec's EAGLE-3 layer is `layers.0.*` where ours and
+    /// SafeAILab's is `midlayer.*`, and our checkpoints saved before we adopted DeepSpec's
+    /// names call the sequential head's tensors `markov_head.markov_w1` / `rnn_head.*`.
+    pub fn file_names(&self, canonical: &str) -> Vec<String> {
+        let mut v = Vec::with_capacity(2);
+        match self.format {
+            Format::DeepSpec if self.ext().method == Method::Eagle3 => v.push(
+                canonical
+                    .strip_prefix("midlayer.")
+                    .map_or(canonical.to_string(), |r| format!("layers.0.{r}")),
+            ),
+            Format::Dspark => {
+                v.push(canonical.to_string());
+                let rnn = self.ext().head == Some(HeadKind::Rnn);
+                let legacy = match canonical {
+                    "markov_head.markov_w1.weight" if rnn => Some("rnn_head.rnn_w1"),
+                    "markov_head.markov_w1.weight" => Some("markov_head.markov_w1"),
+                    "markov_head.markov_w2.weight" if rnn => Some("rnn_head.rnn_w2"),
+                    "markov_head.markov_w2.weight" => Some("markov_head.markov_w2"),
+                    "markov_head.joint_proj.weight" => Some("rnn_head.cell.weight"),
+                    "markov_head.joint_proj.bias" => Some("rnn_head.cell.bias"),
+                    _ => None,
+                };
+                v.extend(legacy.map(String::from));
+            }
+            _ => v.push(canonical.to_string()),
+        }
+        v
+    }
+
+    /// Fills in target layers fixed by the drafter's code rather than its config.
+    pub fn resolve_taps(&mut self, n_layers: usize) -> Result<()> {
+        if !self.taps_from_target {
+            return Ok(());
+        }
+        // SafeAILab: the inputs of decoder layers 2, L//2 and L−3 = outputs of 1, L//2−1, L−4.
+        let inputs = [2, n_layers / 2, n_layers.saturating_sub(3)];
+        if n_layers < 6 || inputs[1] == inputs[2] {
+            return Err(DrafterError::WrongTarget(format!(
+                "a SafeAILab EAGLE-3 drafter reads the inputs of target layers 2, L/2 and L−3, \
+                 which are not three distinct layers of a {n_layers}-layer target"
+            )));
+        }
+        self.target_layer_ids = inputs.iter().map(|&i| i - 1).collect();
+        self.taps_from_target = false;
+        Ok(())
+    }
+
     /// Refuses a drafter made for another target, naming what differs.
     pub fn check_target(&self, target: &Model, id: &TargetId) -> Result<()> {
         let c = &target.config;
@@ -307,10 +434,27 @@ impl DrafterConfig {
         if self.vocab_size != c.vocab_size {
             bad.push(format!("vocabulary {} vs the target's {}", self.vocab_size, c.vocab_size));
         }
-        if let Some(&l) = self.target_layer_ids.iter().find(|&&l| l >= c.n_layers) {
+        if let Some(&l) =
+            self.target_layer_ids.iter().find(|&&l| l >= c.n_layers && l != dspark_model::EMBEDDING_TAP)
+        {
             bad.push(format!("target layer {l} but the target has {} layers", c.n_layers));
         }
-        if self.model_type != family_name(c.family) {
+        // Public configs count Hugging Face's hidden_states, whose last entry is the final
+        // norm's output, not the last layer's: their code refuses that id and so do we.
+        if self.format != Format::Dspark && self.target_layer_ids.contains(&(c.n_layers - 1)) {
+            bad.push(format!(
+                "target layer {} (the final norm's output in this checkpoint's convention, refused by its own code)",
+                c.n_layers - 1
+            ));
+        }
+        if let Some(n) = self.num_target_layers.filter(|&n| n != c.n_layers) {
+            bad.push(format!("num_target_layers {n} but the target has {} layers", c.n_layers));
+        }
+        // Drafters made by `init-drafter` build their layers like the target's; a public
+        // checkpoint's model_type (kept when we save it) is its own layer recipe (SafeAILab's
+        // are `llama` whatever the target).
+        let ours = self.format == Format::Dspark && self.ext().target.is_some();
+        if ours && self.model_type != family_name(c.family) {
             bad.push(format!("family {} vs the target's {}", self.model_type, family_name(c.family)));
         }
         if let Some(want) = &self.ext().target {

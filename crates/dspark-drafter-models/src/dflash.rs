@@ -9,7 +9,7 @@
 //! ```
 
 use crate::common::{
-    append_kv, embed, init_all, layer_specs, stack_taps, with_new, DecoderLayer, DraftVocab, LmHead, Spec,
+    append_kv, init_all, layer_specs, stack_taps, with_new, DecoderLayer, DraftVocab, Embedding, LmHead, Spec,
 };
 use crate::config::{BlockLayout, DrafterConfig, HeadKind, Method};
 use crate::nn::{rms_norm, sigmoid, Linear, Rope};
@@ -91,6 +91,9 @@ pub struct DraftTrace {
     pub logits: Vec<Vec<f32>>,
     /// Calibrated survival probabilities, when the drafter has a confidence head.
     pub confidence: Option<Vec<f32>>,
+    /// The confidence head's raw logits (before temperature and sigmoid), as DeepSpec
+    /// records them.
+    pub confidence_logits: Option<Vec<f32>>,
 }
 
 pub struct BlockModel {
@@ -105,11 +108,13 @@ pub struct BlockModel {
     head: Option<SeqHead>,
     confidence: Option<Linear>,
     pub vocab: DraftVocab,
+    embed: Embedding,
     lm_head: LmHead,
     tensors: BTreeMap<String, Tensor>,
 }
 
-/// Every tensor of a DFlash/DSpark checkpoint (DeepSpec names; RNN head is our extension).
+/// Every tensor of a DFlash/DSpark checkpoint, under DeepSpec's names (without the copies of the
+/// target's embedding and head that DeepSpec also saves).
 pub fn specs(c: &DrafterConfig, std: f32) -> Result<Vec<Spec>> {
     let (d, m) = (c.hidden_size, c.target_layer_ids.len());
     let mut s: Vec<Spec> = vec![
@@ -122,21 +127,17 @@ pub fn specs(c: &DrafterConfig, std: f32) -> Result<Vec<Spec>> {
     s.push(("norm.weight".into(), vec![d], Init::Ones));
     let ext = c.ext();
     let (v, vd, r) = (c.vocab_size, c.draft_vocab(), ext.head_rank);
-    match ext.head {
-        Some(HeadKind::Markov) => {
-            s.push(("markov_head.markov_w1".into(), vec![v, r], Init::Random(std)));
-            s.push(("markov_head.markov_w2".into(), vec![vd, r], Init::Random(std)));
+    if let Some(head) = ext.head {
+        s.push(("markov_head.markov_w1.weight".into(), vec![v, r], Init::Random(std)));
+        s.push(("markov_head.markov_w2.weight".into(), vec![vd, r], Init::Random(std)));
+        if head == HeadKind::Rnn {
+            s.push(("markov_head.joint_proj.weight".into(), vec![3 * r, 2 * r + d], Init::Random(std)));
+            s.push(("markov_head.joint_proj.bias".into(), vec![3 * r], Init::Random(std)));
         }
-        Some(HeadKind::Rnn) => {
-            s.push(("rnn_head.rnn_w1".into(), vec![v, r], Init::Random(std)));
-            s.push(("rnn_head.cell.weight".into(), vec![3 * r, 2 * r + d], Init::Random(std)));
-            s.push(("rnn_head.cell.bias".into(), vec![3 * r], Init::Random(std)));
-            s.push(("rnn_head.rnn_w2".into(), vec![vd, r], Init::Random(std)));
-        }
-        None => {}
     }
     if ext.confidence {
-        s.push(("confidence_head.proj.weight".into(), vec![1, d + r], Init::Random(std)));
+        let input = if ext.confidence_with_markov { d + r } else { d };
+        s.push(("confidence_head.proj.weight".into(), vec![1, input], Init::Random(std)));
         s.push(("confidence_head.proj.bias".into(), vec![1], Init::Random(std)));
     }
     Ok(s)
@@ -168,31 +169,33 @@ impl BlockModel {
             return Err(DrafterError::Config("target_layer_ids is empty".into()));
         }
         let (v, vd) = (config.vocab_size, config.draft_vocab());
+        let get = |name: &str, shape: &[usize]| store.get(store.pick(&config.file_names(name)), shape);
         let head = match ext.head {
             Some(HeadKind::Markov) => Some(SeqHead::Markov {
-                w1: store.get("markov_head.markov_w1", &[v, r])?,
-                w2: Linear::new(store.get("markov_head.markov_w2", &[vd, r])?, None),
+                w1: get("markov_head.markov_w1.weight", &[v, r])?,
+                w2: Linear::new(get("markov_head.markov_w2.weight", &[vd, r])?, None),
             }),
             Some(HeadKind::Rnn) => Some(SeqHead::Rnn {
-                w1: store.get("rnn_head.rnn_w1", &[v, r])?,
+                w1: get("markov_head.markov_w1.weight", &[v, r])?,
                 cell: Linear::new(
-                    store.get("rnn_head.cell.weight", &[3 * r, 2 * r + d])?,
-                    Some(store.get("rnn_head.cell.bias", &[3 * r])?),
+                    get("markov_head.joint_proj.weight", &[3 * r, 2 * r + d])?,
+                    Some(get("markov_head.joint_proj.bias", &[3 * r])?),
                 ),
-                w2: Linear::new(store.get("rnn_head.rnn_w2", &[vd, r])?, None),
+                w2: Linear::new(get("markov_head.markov_w2.weight", &[vd, r])?, None),
                 rank: r,
             }),
             None => None,
         };
         let confidence = if ext.confidence {
-            if head.is_none() {
+            if ext.confidence_with_markov && head.is_none() {
                 return Err(DrafterError::Config(
-                    "a confidence head needs a sequential head (its W1)".into(),
+                    "the confidence head reads the Markov head's W1 but there is no Markov head".into(),
                 ));
             }
+            let input = if ext.confidence_with_markov { d + r } else { d };
             Some(Linear::new(
-                store.get("confidence_head.proj.weight", &[1, d + r])?,
-                Some(store.get("confidence_head.proj.bias", &[1])?),
+                get("confidence_head.proj.weight", &[1, input])?,
+                Some(get("confidence_head.proj.bias", &[1])?),
             ))
         } else {
             None
@@ -200,13 +203,25 @@ impl BlockModel {
         let layers = (0..config.num_hidden_layers)
             .map(|i| DecoderLayer::load(store, &format!("layers.{i}."), &config, d))
             .collect::<Result<_>>()?;
-        let lm_head = LmHead::shared(&target, &vocab)?;
-        // Keep exactly the drafter's own tensors for saving (a DeepSpec file also carries copies
-        // of the target's embedding and head, which we take from the target instead).
-        let tensors = specs(&config, 0.0)?
+        // A checkpoint's own embedding and head (DeepSpec saves copies of the target's) are
+        // what its code computes with; the target's serve those that have none.
+        let embed = Embedding::load(store, &config, &target)?;
+        let own_head = store.opt("lm_head.weight", &[vd, d])?;
+        let lm_head = match &own_head {
+            Some(w) => LmHead::Dense(w.clone()),
+            None => LmHead::shared(&target, &vocab)?,
+        };
+        // Every tensor under the name our saver writes, so a loaded checkpoint saves as ours.
+        let mut tensors: BTreeMap<String, Tensor> = specs(&config, 0.0)?
             .into_iter()
-            .map(|(n, shape, _)| Ok((n.clone(), store.get(&n, &shape)?)))
+            .map(|(n, shape, _)| Ok((n.clone(), get(&n, &shape)?)))
             .collect::<Result<_>>()?;
+        if let Some(e) = embed.own() {
+            tensors.insert("embed_tokens.weight".into(), e.clone());
+        }
+        if let Some(w) = own_head {
+            tensors.insert("lm_head.weight".into(), w);
+        }
         Ok(Self {
             method: ext.method,
             layout: ext.layout,
@@ -217,6 +232,7 @@ impl BlockModel {
             head,
             confidence,
             vocab,
+            embed,
             lm_head,
             target,
             config,
@@ -235,6 +251,7 @@ impl BlockModel {
         for l in &mut self.layers {
             l.quantize()?;
         }
+        self.lm_head.quantize()?;
         match &mut self.head {
             Some(SeqHead::Markov { w2, .. }) => w2.quantize()?,
             Some(SeqHead::Rnn { cell, w2, .. }) => {
@@ -288,7 +305,7 @@ impl BlockModel {
         }
         let rope = Rope::new(&positions, self.config.head_dim, self.config.rope_theta, &Device::Cpu)?;
         let eps = self.config.rms_norm_eps;
-        let mut x = embed(&self.target, &tokens)?;
+        let mut x = self.embed.rows(&tokens)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let h = rms_norm(&x, &layer.input_norm, eps)?;
             let q = layer.attn.queries(&h, &rope)?;
@@ -333,8 +350,11 @@ impl BlockModel {
         mut choose: impl FnMut(usize, &[f32]) -> Result<usize>,
     ) -> Result<DraftTrace> {
         let temps = self.config.ext().calibration_temperatures;
-        let mut out =
-            DraftTrace { confidence: self.confidence.as_ref().map(|_| Vec::new()), ..Default::default() };
+        let mut out = DraftTrace {
+            confidence: self.confidence.as_ref().map(|_| Vec::new()),
+            confidence_logits: self.confidence.as_ref().map(|_| Vec::new()),
+            ..Default::default()
+        };
         let mut prev = anchor;
         let mut state: Option<Tensor> = None;
         for k in 0..n {
@@ -359,10 +379,15 @@ impl BlockModel {
                     ((u + bias)?, Some(e))
                 }
             };
-            if let (Some(proj), Some(e), Some(conf)) = (&self.confidence, &e, out.confidence.as_mut()) {
-                let z = proj.forward(&Tensor::cat(&[&h, e], D::Minus1)?)?.flatten_all()?.to_vec1::<f32>()?[0];
+            if let Some(proj) = &self.confidence {
+                let input = match &e {
+                    Some(e) if self.config.ext().confidence_with_markov => Tensor::cat(&[&h, e], D::Minus1)?,
+                    _ => h.clone(),
+                };
+                let z = proj.forward(&input)?.flatten_all()?.to_vec1::<f32>()?[0];
                 let t = temps.as_ref().and_then(|t| t.get(k)).copied().unwrap_or(1.0);
-                conf.push(1.0 / (1.0 + (-z / t).exp()));
+                out.confidence.get_or_insert_with(Vec::new).push(1.0 / (1.0 + (-z / t).exp()));
+                out.confidence_logits.get_or_insert_with(Vec::new).push(z);
             }
             let row = logits.flatten_all()?.to_vec1::<f32>()?;
             let idx = choose(k, &row)?;
@@ -398,7 +423,7 @@ impl BlockModel {
         }
         let rope = Rope::new(&positions, self.config.head_dim, self.config.rope_theta, &Device::Cpu)?;
         let mask = block_mask(l, anchors, b)?;
-        let mut x = embed(&self.target, &block_tokens)?;
+        let mut x = self.embed.rows(&block_tokens)?;
         for layer in &self.layers {
             let (kc, vc) = layer.attn.keys_values(&h_ctx, &ctx_rope)?;
             let h = rms_norm(&x, &layer.input_norm, eps)?;
@@ -416,7 +441,15 @@ impl BlockModel {
     /// confidence head, its logits `(A·γ)` before the sigmoid.
     pub fn train_heads(&self, hidden: &Tensor, prev: &[u32]) -> Result<(Tensor, Option<Tensor>)> {
         let raw = self.lm_head.logits(hidden)?;
-        let Some(head) = &self.head else { return Ok((raw, None)) };
+        let confidence = |e: Option<&Tensor>| -> Result<Option<Tensor>> {
+            let Some(p) = &self.confidence else { return Ok(None) };
+            let input = match e {
+                Some(e) if self.config.ext().confidence_with_markov => Tensor::cat(&[hidden, e], D::Minus1)?,
+                _ => hidden.clone(),
+            };
+            Ok(Some(p.forward(&input)?.squeeze(1)?))
+        };
+        let Some(head) = &self.head else { return Ok((raw, confidence(None)?)) };
         let e = head.embed_prev(prev)?;
         let bias = match head {
             SeqHead::Markov { w2, .. } => w2.forward(&e)?,
@@ -440,11 +473,7 @@ impl BlockModel {
             }
         };
         let logits = (raw + bias)?;
-        let conf = match &self.confidence {
-            Some(p) => Some(p.forward(&Tensor::cat(&[hidden, &e], D::Minus1)?)?.squeeze(1)?),
-            None => None,
-        };
-        Ok((logits, conf))
+        Ok((logits, confidence(Some(&e))?))
     }
 
     /// Replaces the shared head by a dense f32 copy of the target's rows, through which

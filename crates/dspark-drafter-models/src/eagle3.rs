@@ -8,7 +8,7 @@
 //! ```
 
 use crate::common::{
-    append_kv, embed, init_all, layer_specs, stack_taps, with_new, DecoderLayer, DraftVocab, LmHead, Spec,
+    append_kv, init_all, layer_specs, stack_taps, with_new, DecoderLayer, DraftVocab, Embedding, LmHead, Spec,
 };
 use crate::config::{DrafterConfig, Method};
 use crate::dflash::DraftTrace;
@@ -49,12 +49,12 @@ impl EagleCache {
 
 pub struct Eagle3Model {
     pub config: DrafterConfig,
-    target: Arc<Model>,
     fc: Linear,
     layer: DecoderLayer,
     hidden_norm: Tensor,
     norm: Tensor,
     lm_head: LmHead,
+    embed: Embedding,
     pub vocab: DraftVocab,
     tensors: BTreeMap<String, Tensor>,
 }
@@ -95,18 +95,25 @@ impl Eagle3Model {
         if m == 0 {
             return Err(DrafterError::Config("target_layer_ids is empty".into()));
         }
-        let tensors = specs(&config, 0.0)?
+        // Under the names our saver writes (DeepSpec's layer is `layers.0.*`, ours `midlayer.*`).
+        let get = |name: &str, shape: &[usize]| store.get(store.pick(&config.file_names(name)), shape);
+        let mut tensors: BTreeMap<String, Tensor> = specs(&config, 0.0)?
             .into_iter()
-            .map(|(n, shape, _)| Ok((n.clone(), store.get(&n, &shape)?)))
+            .map(|(n, shape, _)| Ok((n.clone(), get(&n, &shape)?)))
             .collect::<Result<_>>()?;
+        let embed = Embedding::load(store, &config, &target)?;
+        if let Some(e) = embed.own() {
+            tensors.insert("embed_tokens.weight".into(), e.clone());
+        }
+        let prefix = config.file_names("midlayer.").remove(0);
         Ok(Self {
             fc: Linear::new(store.get("fc.weight", &[d, m * d])?, None),
-            layer: DecoderLayer::load(store, "midlayer.", &config, 2 * d)?,
-            hidden_norm: store.get("midlayer.hidden_norm.weight", &[d])?,
+            layer: DecoderLayer::load(store, &prefix, &config, 2 * d)?,
+            hidden_norm: get("midlayer.hidden_norm.weight", &[d])?,
             norm: store.get("norm.weight", &[d])?,
             lm_head: LmHead::Dense(store.get("lm_head.weight", &[config.draft_vocab(), d])?),
+            embed,
             vocab,
-            target,
             config,
             tensors,
         })
@@ -161,7 +168,7 @@ impl Eagle3Model {
         }
         let x = stack_taps(taps, rows, self.config.hidden_size, self.config.target_layer_ids.len())?;
         let fused = self.fc.forward(&x)?;
-        let out = self.run(cache, &embed(&self.target, next)?, &fused, true)?;
+        let out = self.run(cache, &self.embed.rows(next)?, &fused, true)?;
         cache.last = Some(out.narrow(0, rows - 1, 1)?);
         Ok(())
     }
@@ -187,7 +194,7 @@ impl Eagle3Model {
             out.tokens.push(tok);
             out.logits.push(row);
             if k + 1 < n {
-                g = self.run(&mut scratch, &embed(&self.target, &[tok])?, &g, true)?;
+                g = self.run(&mut scratch, &self.embed.rows(&[tok])?, &g, true)?;
             }
         }
         Ok(out)
@@ -208,7 +215,7 @@ impl Eagle3Model {
         let mut out = Vec::with_capacity(steps);
         for j in 1..=steps {
             let next: Vec<u32> = (0..n).map(|i| tokens[(i + j).min(l - 1)]).collect();
-            let emb = embed(&self.target, &next)?;
+            let emb = self.embed.rows(&next)?;
             let x = Tensor::cat(
                 &[rms_norm(&emb, &self.layer.input_norm, eps)?, rms_norm(&hid, &self.hidden_norm, eps)?],
                 D::Minus1,

@@ -6,11 +6,13 @@ pub mod common;
 pub mod config;
 pub mod dflash;
 pub mod eagle3;
+pub mod formats;
 pub mod nn;
+mod pth;
 pub mod store;
 
 pub use common::{DraftVocab, LmHead};
-pub use config::{BlockLayout, DrafterConfig, Extensions, HeadKind, Method, TargetId};
+pub use config::{BlockLayout, DrafterConfig, Extensions, Format, HeadKind, Method, TargetId};
 pub use dflash::{BlockModel, ContextCache, DraftTrace};
 pub use eagle3::{Eagle3Model, EagleCache};
 pub use store::Store;
@@ -108,7 +110,7 @@ pub fn save(
     Ok(())
 }
 
-/// Reads a checkpoint folder's config.
+/// Reads a checkpoint folder's config: ours, or a public one translated by [`formats`].
 pub fn read_config(dir: &Path) -> Result<DrafterConfig> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(|e| {
@@ -118,21 +120,30 @@ pub fn read_config(dir: &Path) -> Result<DrafterConfig> {
             path.display()
         ))
     })?;
-    let c: DrafterConfig = serde_json::from_str(&text)
-        .map_err(|e| DrafterError::Checkpoint(format!("{}: {e}", path.display())))?;
-    c.validate().map_err(|e| DrafterError::Config(format!("{}: {e}", path.display())))?;
+    let shown = path.display().to_string();
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| DrafterError::Checkpoint(format!("{shown}: {e}")))?;
+    if !formats::is_ours(&v) {
+        return formats::public(v, &shown);
+    }
+    let c: DrafterConfig =
+        serde_json::from_value(v).map_err(|e| DrafterError::Checkpoint(format!("{shown}: {e}")))?;
+    c.validate().map_err(|e| DrafterError::Config(format!("{shown}: {e}")))?;
     Ok(c)
 }
 
 /// Loads a drafter for `target` (named `target_name` in messages), refusing one built for
-/// another target.
+/// another target and one whose files hold anything its config does not account for.
 pub fn load(dir: &Path, target: Arc<Model>, target_name: &str) -> Result<DrafterNet> {
-    let config = read_config(dir)?;
+    let mut config = read_config(dir)?;
     config.family()?;
+    config.resolve_taps(target.config.n_layers)?;
     config.check_target(&target, &TargetId::of(&target, target_name))?;
-    let store = Store::load(&dir.join("model.safetensors"))?;
+    let store = Store::load_dir(dir)?;
     store.check_finite()?;
-    from_store(config, &store, target)
+    let net = from_store(config, &store, target)?;
+    store.check_all_used()?;
+    Ok(net)
 }
 
 /// Builds a drafter from named tensors (a checkpoint, a fresh initialisation, training variables).
@@ -324,7 +335,11 @@ pub fn init_config(target: &Model, target_name: &str, o: &InitOptions) -> Result
             layout: if eagle { BlockLayout::Dspark } else { o.layout },
             calibration_temperatures: None,
             target: Some(TargetId::of(target, target_name)),
+            confidence_with_markov: true,
         }),
+        format: config::Format::Dspark,
+        num_target_layers: None,
+        taps_from_target: false,
     })
 }
 

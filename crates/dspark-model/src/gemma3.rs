@@ -74,6 +74,7 @@ impl Gemma3 {
         for tok in batch.tokens() {
             x.extend(self.embed.row(tok as usize)?.into_iter().map(|v| v * scale));
         }
+        taps.record(crate::EMBEDDING_TAP, &x, d);
         let rope_global = batch.rope(hd, c.rope_theta, false);
         let rope_local = batch.rope(hd, c.rope_theta_local, false);
         for (i, l) in self.layers.iter().enumerate() {

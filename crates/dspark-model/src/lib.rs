@@ -75,10 +75,16 @@ pub fn pool() -> &'static rayon::ThreadPool {
     })
 }
 
+/// The layer id in [`TapSpec::layers`] that names the embedding output (the input of layer 0,
+/// after any family scaling): Hugging Face's `hidden_states[0]`, which DeepSpec drafters read as
+/// target layer `-1`.
+pub const EMBEDDING_TAP: usize = usize::MAX;
+
 /// Which hidden states a forward call should return.
 #[derive(Debug, Clone, Default)]
 pub struct TapSpec {
-    /// Decoder layers (0-based) whose outputs, before the final norm, are wanted.
+    /// Decoder layers (0-based) whose outputs, before the final norm, are wanted
+    /// ([`EMBEDDING_TAP`] for the embedding output).
     pub layers: Vec<usize>,
     /// Also return the final-norm output (the LM head's input).
     pub final_norm: bool,

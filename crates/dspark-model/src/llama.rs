@@ -74,6 +74,7 @@ impl Llama {
         for tok in batch.tokens() {
             x.extend(self.embed.row(tok as usize)?);
         }
+        taps.record(crate::EMBEDDING_TAP, &x, d);
         let rope = batch.rope(hd, c.rope_theta, c.rope_interleaved);
         for (i, l) in self.layers.iter().enumerate() {
             let h = rms_norm_to(&x, &l.attn_norm, c.rms_eps, false);
