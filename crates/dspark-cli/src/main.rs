@@ -533,6 +533,12 @@ fn check_env() -> Result<()> {
     if let Some(e) = dspark_kernels::kernel_env_error() {
         bail!("{e}");
     }
+    // candle asks for its thread count on every matmul and, unless RAYON_NUM_THREADS is set,
+    // counts physical cores by parsing /proc/cpuinfo each time: 6–10 % of a drafting round
+    // (perf, SmolLM2 DSpark drafter). Tell it once: the compute pool's size.
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        std::env::set_var("RAYON_NUM_THREADS", dspark_model::pool().current_num_threads().to_string());
+    }
     Ok(())
 }
 

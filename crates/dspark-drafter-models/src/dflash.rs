@@ -252,6 +252,9 @@ impl BlockModel {
             l.quantize()?;
         }
         self.lm_head.quantize()?;
+        if let Some(c) = &mut self.confidence {
+            c.quantize()?;
+        }
         match &mut self.head {
             Some(SeqHead::Markov { w2, .. }) => w2.quantize()?,
             Some(SeqHead::Rnn { cell, w2, .. }) => {

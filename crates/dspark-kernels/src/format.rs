@@ -159,11 +159,12 @@ impl Q8Rows {
         let mut hs = vec![0i32; rows * nbp * 2];
         let mut xs = vec![0f32; rows * nbp * 2];
         let mut dl = vec![0f32; rows * nbp * 2];
-        // Rows are independent; batches quantize on all threads.
+        // Rows are independent; big batches quantize on all threads. A few rows (a drafter's
+        // block, a decode step) take microseconds, less than waking the pool.
         type Row<'a> =
             (((&'a [f32], &'a mut [i8]), &'a mut [f32]), ((&'a mut [i32], &'a mut [f32]), &'a mut [f32]));
         let row = |(((x, q), d), ((h, s), l)): Row| quantize_row(x, q, d, h, s, l, group);
-        if rows >= 4 {
+        if rows * k >= 64 * 1024 {
             x.par_chunks(k)
                 .zip(qs.par_chunks_mut(kp))
                 .zip(d.par_chunks_mut(nbp))

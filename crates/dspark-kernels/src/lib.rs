@@ -44,6 +44,9 @@ pub fn matmul(w: &PackedMatrix, x: &[f32], m: usize, y: &mut [f32], simd: bool) 
     matmul_on(if simd { kernel_path() } else { KernelPath::Scalar }, w, x, m, y)
 }
 
+/// Below this many multiply-adds a product runs on the calling thread.
+const SERIAL_MACS: usize = 1 << 20;
+
 /// [`matmul`] on a given path (tests compare paths). A path this CPU lacks runs the portable
 /// kernel instead.
 pub fn matmul_on(path: KernelPath, w: &PackedMatrix, x: &[f32], m: usize, y: &mut [f32]) {
@@ -64,7 +67,7 @@ pub fn matmul_on(path: KernelPath, w: &PackedMatrix, x: &[f32], m: usize, y: &mu
         let group = if w.scales == ScaleKind::F16 { 1 } else { 8 };
         let xq = Q8Rows::quantize(&x[r0 * k..(r0 + rows) * k], rows, k, w.nbp, group);
         let out = OutPtr(y[r0 * n..].as_mut_ptr());
-        (0..chunks).into_par_iter().for_each(|c| {
+        let run = |c: usize| {
             let n0 = c * chunk;
             let n1 = (n0 + chunk).min(n);
             let out = &out;
@@ -79,7 +82,15 @@ pub fn matmul_on(path: KernelPath, w: &PackedMatrix, x: &[f32], m: usize, y: &mu
                     _ => scalar::range(w, &xq, n0, n1, out.0, n),
                 }
             }
-        });
+        };
+        // A product of under a million multiply-adds (a drafter's sequential head, a confidence
+        // head) takes a few microseconds: less than waking the pool's threads. The columns are
+        // the same either way, so results do not depend on this choice.
+        if rows * n * k < SERIAL_MACS {
+            (0..chunks).for_each(run);
+        } else {
+            (0..chunks).into_par_iter().for_each(run);
+        }
     }
 }
 
