@@ -465,7 +465,6 @@ fn decode(
         seed: 0,
         stop_tokens: params.stop_tokens.clone(),
         min_survival: spec.min_survival,
-        gate: false,
     };
     let (mut plain_tokens, mut plain_s) = (0usize, 0f64);
     let mut stats = dspark_spec::SpecStats::default();

@@ -74,7 +74,6 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
             seed: a.seed + i as u64,
             stop_tokens: target.tokenizer.eos().to_vec(),
             min_survival: 0.0,
-            gate: false,
         };
         generate_spec(&target, &mut rec, &prompt, &p, |_| {})?;
         bar.inc(1);

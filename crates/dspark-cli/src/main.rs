@@ -152,8 +152,9 @@ struct GenerateArgs {
 
 #[derive(Args, Clone)]
 pub struct DrafterArgs {
-    /// Speculative drafter: `auto` (the DSpark drafter shipped in drafters/ for this model, if
-    /// any, else plain decoding), `none` (plain decoding), `ngram` (prompt lookup),
+    /// Speculative drafter: `auto` (prompt lookup where it matches, and the DSpark drafter shipped
+    /// in drafters/ for this model, if any, only while it pays), `none` (plain decoding), `ngram`
+    /// (prompt lookup),
     /// `draft:MODEL` (a small model with the same tokenizer, e.g. draft:qwen2.5-coder-0.5b), or a
     /// drafter checkpoint folder as `dspark:PATH`, `dflash:PATH` or `eagle3:PATH` (see
     /// `dspark init-drafter`). The output is the same as plain decoding either way.
@@ -179,12 +180,24 @@ impl DrafterArgs {
             bail!("--min-survival must be between 0 and 1 (got {})", self.min_survival);
         }
         let gamma = self.draft_len.unwrap_or(3);
-        let shipped = shipped_drafter(target_name);
-        let spec = match (self.drafter.as_str(), &shipped) {
-            ("auto", Some(dir)) => format!("dspark:{}", dir.display()),
-            ("auto", None) => "none".to_string(),
-            (s, _) => s.to_string(),
-        };
+        if self.drafter == "auto" {
+            // Prompt lookup wherever it matches, the shipped DSpark drafter while it pays.
+            let (model, block) = match shipped_drafter(target_name) {
+                Some(dir) => {
+                    let d = dspark_drafters::load_network_drafter(
+                        Method::Dspark,
+                        &dir,
+                        target.clone(),
+                        target_name,
+                    )?;
+                    (Some(d), dspark_drafter_models::read_config(&dir)?.gamma())
+                }
+                None => (None, gamma),
+            };
+            let auto = dspark_drafters::AutoDrafter::new(model, gamma);
+            return Ok(Some((Box::new(auto), self.draft_len.unwrap_or(block.max(gamma)))));
+        }
+        let spec = self.drafter.clone();
         let (kind, arg) = spec.split_once(':').unwrap_or((spec.as_str(), ""));
         Ok(match kind {
             "none" => None,
@@ -268,7 +281,6 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
                 seed: params.seed,
                 stop_tokens: params.stop_tokens.clone(),
                 min_survival: a.spec.min_survival,
-                gate: a.spec.drafter == "auto",
             };
             let r = generate_spec(&model, d.as_mut(), &prompt, &sp, &mut emit)?;
             (r.tokens, r.finish, r.stats.to_json())
@@ -299,10 +311,11 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         }
         eprintln!("{line}]");
         let plain_steps = s.get("plain_steps").and_then(|v| v.as_u64()).unwrap_or(0);
-        if plain_steps > 0 {
+        if plain_steps > 0 && a.spec.drafter == "auto" {
             eprintln!(
-                "[auto: drafting did not pay here, so {plain_steps} of {} steps decoded plainly \
-                 (probing again now and then); --drafter DIR or NAME forces drafting]",
+                "[auto: {plain_steps} of {} steps decoded plainly: no prompt-lookup match, and the \
+                 model drafter (if any) did not pay here (probed again now and then); --drafter \
+                 DIR or NAME forces drafting]",
                 plain_steps + s["rounds"].as_u64().unwrap_or(0)
             );
         }

@@ -83,7 +83,6 @@ fn greedy_repeating_dspark_accepts_whole_blocks_and_matches_plain_output() {
             seed: 0,
             stop_tokens: m.tokenizer.eos().to_vec(),
             min_survival: threshold,
-            gate: false,
         };
         let r = dspark_spec::generate_spec(&m, d.as_mut(), &prompt, &p, |_| {}).unwrap();
         assert_eq!(r.tokens, want, "min_survival {threshold}");
@@ -105,7 +104,6 @@ fn check_sampled(m: &Arc<Model>, mut d: Box<dyn Drafter>, what: &str, must_accep
         seed: 1,
         stop_tokens: vec![],
         min_survival: 0.0,
-        gate: false,
     };
     let seq = SpecSequence::start(m, d.as_mut(), &prompt, &sp).unwrap();
     let mut cache = m.new_cache(prompt.len());

@@ -1,10 +1,12 @@
 //! Drafters, one per method, all behind [`dspark_spec::Drafter`].
 
+mod auto;
 mod block;
 mod draft_model;
 mod eagle3;
 mod ngram;
 
+pub use auto::AutoDrafter;
 pub use block::{propose_batch, BatchEntry, BlockDrafter, BlockSeq};
 pub use draft_model::DraftModel;
 pub use eagle3::Eagle3Drafter;

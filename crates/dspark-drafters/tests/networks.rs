@@ -291,7 +291,6 @@ fn run_rounds(t: &Model, d: &mut dyn Drafter, rounds: usize) -> (Vec<u32>, usize
         seed: 5,
         stop_tokens: vec![],
         min_survival: 0.0,
-        gate: false,
     };
     let prompt: Vec<u32> = vec![94, 3, 17, 60, 22, 8, 45];
     let mut seq = SpecSequence::start(t, d, &prompt, &p).unwrap();

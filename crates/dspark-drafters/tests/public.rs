@@ -58,7 +58,6 @@ fn public_drafters_propose_the_official_drafts_and_keep_greedy_output() {
         seed: 0,
         stop_tokens: Vec::new(),
         min_survival: 0.0,
-        gate: false,
     };
     let mut plain: Option<Vec<u32>> = None;
     for (variant, model, drafts_key) in [

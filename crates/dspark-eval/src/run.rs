@@ -47,7 +47,6 @@ fn run_spec(
         seed,
         stop_tokens: target.tokenizer.eos().to_vec(),
         min_survival: 0.0,
-        gate: false,
     };
     match (rounds, &d.temps) {
         (Some(out), Some(temps)) => {

@@ -80,6 +80,20 @@ pub struct TargetFeatures {
     pub final_norm: Option<Vec<f32>>,
 }
 
+impl TargetFeatures {
+    /// Appends `more`'s rows after these (features held back for a drafter that sat out).
+    pub fn extend(&mut self, more: &TargetFeatures) {
+        self.taps.resize(self.taps.len().max(more.taps.len()), Vec::new());
+        for (dst, src) in self.taps.iter_mut().zip(&more.taps) {
+            dst.extend_from_slice(src);
+        }
+        if let Some(f) = &more.final_norm {
+            self.final_norm.get_or_insert_with(Vec::new).extend_from_slice(f);
+        }
+        self.rows += more.rows;
+    }
+}
+
 pub trait Drafter {
     /// A short name for statistics and messages.
     fn name(&self) -> String;

@@ -39,23 +39,21 @@ pub struct SpecParams {
     /// confidences) stays at or above this; 0 verifies every draft. The cut depends only on the
     /// drafter's own outputs, so the output distribution is unchanged.
     pub min_survival: f32,
-    /// Draft only while it pays (`--drafter auto`): the sequence times its own speculative
-    /// rounds and plain steps and, when a probe of rounds commits tokens more slowly than plain
-    /// steps do, decodes plainly for a while before probing again. Plain steps are verify blocks
-    /// of the anchor alone, so the output is unchanged.
-    pub gate: bool,
 }
 
 /// Speculative rounds per probe, plain steps timed before the first probe, and how long drafting
-/// pauses after a probe that did not pay (four times longer while probes keep failing).
+/// pauses after a probe that did not pay (four times longer while probes keep failing). Used by
+/// `--drafter auto` (`dspark_drafters::AutoDrafter`).
 const PROBE_ROUNDS: usize = 4;
 const PLAIN_SAMPLES: usize = 2;
 const FIRST_PAUSE: usize = 32;
 const MAX_PAUSE: usize = 1024;
 
-/// What the gate has measured so far.
+/// Whether drafting pays, from timing: a drafter's rounds against plain steps of the same
+/// sequence. When a probe of rounds commits tokens more slowly than plain steps do, drafting
+/// pauses for a while before the next probe. What it measured so far:
 #[derive(Debug, Clone)]
-struct Gate {
+pub struct Gate {
     plain_s: f64,
     plain_steps: usize,
     probe_s: f64,
@@ -81,7 +79,7 @@ impl Default for Gate {
 
 impl Gate {
     /// Whether this step drafts. Uses past steps only.
-    fn drafts(&mut self) -> bool {
+    pub fn drafts(&mut self) -> bool {
         if self.plain_steps < PLAIN_SAMPLES {
             return false;
         }
@@ -92,7 +90,8 @@ impl Gate {
         true
     }
 
-    fn record(&mut self, drafted: bool, tokens: usize, seconds: f64) {
+    /// A step's outcome: whether it drafted, the tokens it committed and its seconds.
+    pub fn record(&mut self, drafted: bool, tokens: usize, seconds: f64) {
         if !drafted {
             self.plain_s += seconds;
             self.plain_steps += 1;
@@ -125,10 +124,6 @@ pub struct SpecSequence {
     pub finish: Option<FinishReason>,
     pub stats: SpecStats,
     rng: Sampler,
-    gate: Gate,
-    /// Target features of plain steps not yet handed to the drafter: feeding waits for the next
-    /// drafting step, so steps without drafting cost what plain decoding costs.
-    pending: TargetFeatures,
 }
 
 impl SpecSequence {
@@ -161,8 +156,6 @@ impl SpecSequence {
             finish: None,
             stats,
             rng: Sampler::new(p.seed),
-            gate: Gate::default(),
-            pending: TargetFeatures::default(),
         })
     }
 
@@ -180,13 +173,9 @@ impl SpecSequence {
 
     /// One round. Returns the tokens it committed (for streaming).
     pub fn step(&mut self, target: &Model, drafter: &mut dyn Drafter, p: &SpecParams) -> Result<Vec<u32>> {
-        // Draft (unless the gate says drafting does not pay now).
+        // Draft.
         let t0 = Instant::now();
-        let drafting = !p.gate || self.gate.drafts();
-        let gamma = if drafting { self.budget(p, target) } else { 0 };
-        if drafting && self.pending.rows > 0 {
-            drafter.observe(&self.context, 0, &std::mem::take(&mut self.pending))?;
-        }
+        let gamma = self.budget(p, target);
         let mut proposal =
             if gamma > 0 { drafter.propose(&self.context, gamma, &p.sampling)? } else { Proposal::default() };
         if p.min_survival > 0.0 {
@@ -210,28 +199,20 @@ impl SpecSequence {
         let mut committed: Vec<u32> = proposal.tokens[..verdict.accepted].to_vec();
         committed.push(verdict.next);
         self.context.extend_from_slice(&committed);
-        // Feed back the target's hidden states of the rows that entered the cache (after a plain
-        // step, at the next drafting step).
-        if drafting {
-            let mut features = TargetFeatures::default();
-            append_features(&mut features, out, kept, target.config.hidden);
-            drafter.observe(&self.context, verdict.accepted, &features)?;
-        } else {
-            append_features(&mut self.pending, out, kept, target.config.hidden);
-        }
+        // Feed back the target's hidden states of the rows that entered the cache.
+        let mut features = TargetFeatures::default();
+        append_features(&mut features, out, kept, target.config.hidden);
+        drafter.observe(&self.context, verdict.accepted, &features)?;
         let t2 = Instant::now();
-        if drafting {
+        if proposal.is_empty() {
+            self.stats.plain_steps += 1;
+        } else {
             self.stats.record_round(
                 proposal.len(),
                 verdict.accepted,
                 (t1 - t0).as_secs_f64(),
                 (t2 - t1).as_secs_f64(),
             );
-        } else {
-            self.stats.plain_steps += 1;
-        }
-        if p.gate {
-            self.gate.record(drafting, committed.len(), (t2 - t0).as_secs_f64());
         }
         Ok(self.finish_check(committed.len(), p))
     }

@@ -8,7 +8,7 @@ pub mod verify;
 
 pub use drafter::{DraftDist, DraftError, DraftResult, Drafter, Proposal, TargetFeatures};
 pub use engine::{
-    append_features, apply_stops, generate_spec, wants, SpecError, SpecParams, SpecRun, SpecSequence,
+    append_features, apply_stops, generate_spec, wants, Gate, SpecError, SpecParams, SpecRun, SpecSequence,
 };
 pub use stats::SpecStats;
 pub use verify::{verify, Verdict};

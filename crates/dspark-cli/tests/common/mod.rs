@@ -82,7 +82,6 @@ pub fn spec(
         seed: 0,
         stop_tokens: m.tokenizer.eos().to_vec(),
         min_survival: 0.0,
-        gate: false,
     };
     let r = generate_spec(m, d, prompt, &p, |_| {}).unwrap();
     (r.tokens, r.stats.tau())

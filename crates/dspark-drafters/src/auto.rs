@@ -1,0 +1,110 @@
+//! `--drafter auto`: prompt lookup wherever it finds a match (it costs nothing when it does not),
+//! the model-based drafter only while its rounds commit tokens faster than plain steps.
+
+use crate::NgramDrafter;
+use dspark_model::TapSpec;
+use dspark_sampling::SamplingParams;
+use dspark_spec::{DraftResult, Drafter, Gate, Proposal, TargetFeatures};
+use std::time::Instant;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Source {
+    Lookup,
+    Model,
+    Nothing,
+}
+
+pub struct AutoDrafter {
+    lookup: NgramDrafter,
+    /// Longest prompt-lookup draft (3: measured best on two cores, docs/BENCHMARKS.md).
+    lookup_len: usize,
+    model: Option<Box<dyn Drafter>>,
+    gate: Gate,
+    /// Target features of rounds the model drafter sat out, fed before it drafts again, so that
+    /// rounds without it cost what plain decoding costs.
+    pending: TargetFeatures,
+    round: Option<(Source, Instant)>,
+    /// Rounds drafted by the model drafter, and rounds that drafted nothing.
+    pub model_rounds: usize,
+    pub empty_rounds: usize,
+}
+
+impl AutoDrafter {
+    pub fn new(model: Option<Box<dyn Drafter>>, lookup_len: usize) -> Self {
+        Self {
+            lookup: NgramDrafter::default(),
+            lookup_len: lookup_len.max(1),
+            model,
+            gate: Gate::default(),
+            pending: TargetFeatures::default(),
+            round: None,
+            model_rounds: 0,
+            empty_rounds: 0,
+        }
+    }
+}
+
+impl Drafter for AutoDrafter {
+    fn name(&self) -> String {
+        match &self.model {
+            Some(m) => format!("auto (prompt lookup, {})", m.name()),
+            None => "auto (prompt lookup)".into(),
+        }
+    }
+
+    fn taps(&self) -> TapSpec {
+        self.model.as_ref().map(|m| m.taps()).unwrap_or_default()
+    }
+
+    fn begin(&mut self, prompt: &[u32], features: &TargetFeatures, seed: u64) -> DraftResult<()> {
+        self.lookup.begin(prompt, features, seed)?;
+        if let Some(m) = &mut self.model {
+            m.begin(prompt, features, seed)?;
+        }
+        Ok(())
+    }
+
+    fn propose(&mut self, context: &[u32], max_len: usize, params: &SamplingParams) -> DraftResult<Proposal> {
+        let t0 = Instant::now();
+        let found = self.lookup.propose(context, max_len.min(self.lookup_len), params)?;
+        let (source, proposal) = if !found.is_empty() {
+            (Source::Lookup, found)
+        } else if let Some(m) = self.model.as_mut().filter(|_| self.gate.drafts()) {
+            if self.pending.rows > 0 {
+                m.observe(context, 0, &std::mem::take(&mut self.pending))?;
+            }
+            (Source::Model, m.propose(context, max_len, params)?)
+        } else {
+            (Source::Nothing, Proposal::default())
+        };
+        self.round = Some((source, t0));
+        Ok(proposal)
+    }
+
+    fn observe(&mut self, context: &[u32], accepted: usize, features: &TargetFeatures) -> DraftResult<()> {
+        let (source, t0) = self.round.take().unwrap_or((Source::Nothing, Instant::now()));
+        // A round's time runs from its proposal to this call: drafting, verification, acceptance.
+        let seconds = t0.elapsed().as_secs_f64();
+        match source {
+            Source::Model => {
+                self.model_rounds += 1;
+                self.gate.record(true, accepted + 1, seconds);
+            }
+            Source::Nothing => {
+                self.empty_rounds += 1;
+                self.gate.record(false, 1, seconds);
+            }
+            // Lookup rounds neither probe the model drafter nor time a plain step.
+            Source::Lookup => {}
+        }
+        self.lookup.observe(context, accepted, features)?;
+        if let Some(m) = &mut self.model {
+            if source == Source::Model {
+                m.observe(context, accepted, features)?;
+            } else {
+                self.pending.extend(features);
+            }
+        }
+        Ok(())
+    }
+}
