@@ -75,6 +75,9 @@ pub enum BenchCmd {
         /// Draft layers of the DFlash/DSpark backbone.
         #[arg(long, default_value_t = 1)]
         layers: usize,
+        /// Width of the draft layers' MLP (default: the target's; `dspark train --intermediate`).
+        #[arg(long)]
+        intermediate: Option<usize>,
         /// Timed rounds per case (the median is reported).
         #[arg(long, default_value_t = 15)]
         reps: usize,
@@ -95,8 +98,8 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             forward(&model, context, reps, json, prefill)
         }
         BenchCmd::Kernels { reps } => kernels(reps),
-        BenchCmd::Draft { model, context, gammas, vocabs, layers, reps, json } => {
-            draft(&model, context, &gammas, &vocabs, layers, reps, json)
+        BenchCmd::Draft { model, context, gammas, vocabs, layers, intermediate, reps, json } => {
+            draft(&model, context, &gammas, &vocabs, (layers, intermediate), reps, json)
         }
         BenchCmd::Decode { model, prompts, n, max_tokens, temperature, skip, spec } => {
             decode(&model, prompts.as_deref(), n, max_tokens, temperature, skip, &spec)
@@ -198,7 +201,7 @@ fn draft(
     context: usize,
     gammas: &[usize],
     vocabs: &[String],
-    layers: usize,
+    (layers, intermediate): (usize, Option<usize>),
     reps: usize,
     json: bool,
 ) -> Result<()> {
@@ -267,6 +270,7 @@ fn draft(
                     method,
                     head,
                     layers,
+                    intermediate,
                     gamma,
                     draft_vocab: draft_vocab.clone(),
                     layout: dspark_drafter_models::BlockLayout::Dspark,
@@ -325,7 +329,7 @@ fn draft(
         println!(
             "{}",
             serde_json::json!({"model": m.model, "context": context, "threads": rayon_threads(),
-                "draft_layers": layers, "target_token_ms": single, "rounds": rows})
+                "draft_layers": layers, "draft_intermediate": intermediate, "target_token_ms": single, "rounds": rows})
         );
     }
     Ok(())

@@ -358,41 +358,48 @@ impl BlockModel {
             confidence_logits: self.confidence.as_ref().map(|_| Vec::new()),
             ..Default::default()
         };
+        // Plain values from here: the loop is sequential and each step's products are one row.
+        let (d, vd) = (hidden.dim(1)?, raw.dim(1)?);
+        let hid = hidden.flatten_all()?.to_vec1::<f32>()?;
+        let raws = raw.flatten_all()?.to_vec1::<f32>()?;
         let mut prev = anchor;
         let mut state: Option<Tensor> = None;
         for k in 0..n {
-            let h = hidden.narrow(0, k, 1)?;
-            let u = raw.narrow(0, k, 1)?;
-            let (logits, e) = match &self.head {
-                None => (u, None),
+            let h = &hid[k * d..(k + 1) * d];
+            let mut row = raws[k * vd..(k + 1) * vd].to_vec();
+            let e = match &self.head {
+                None => None,
                 Some(head) => {
                     let e = head.embed_prev(&[prev])?;
                     let bias = match head {
-                        SeqHead::Markov { w2, .. } => w2.forward(&e)?,
+                        SeqHead::Markov { w2, .. } => {
+                            w2.forward_vec(&e.flatten_all()?.to_vec1::<f32>()?, 1)?
+                        }
                         SeqHead::Rnn { cell, w2, rank, .. } => {
                             let s = match state.take() {
                                 Some(s) => s,
                                 None => Tensor::zeros((1, *rank), candle_core::DType::F32, &Device::Cpu)?,
                             };
-                            let (s, bias) = rnn_step(cell, w2, *rank, &s, &e, &h)?;
+                            let ht = Tensor::from_slice(h, (1, d), &Device::Cpu)?;
+                            let (s, bias) = rnn_step(cell, w2, *rank, &s, &e, &ht)?;
                             state = Some(s);
-                            bias
+                            bias.flatten_all()?.to_vec1::<f32>()?
                         }
                     };
-                    ((u + bias)?, Some(e))
+                    row.iter_mut().zip(&bias).for_each(|(v, b)| *v += b);
+                    Some(e.flatten_all()?.to_vec1::<f32>()?)
                 }
             };
             if let Some(proj) = &self.confidence {
-                let input = match &e {
-                    Some(e) if self.config.ext().confidence_with_markov => Tensor::cat(&[&h, e], D::Minus1)?,
-                    _ => h.clone(),
-                };
-                let z = proj.forward(&input)?.flatten_all()?.to_vec1::<f32>()?[0];
+                let mut input = h.to_vec();
+                if let (Some(e), true) = (&e, self.config.ext().confidence_with_markov) {
+                    input.extend_from_slice(e);
+                }
+                let z = proj.forward_vec(&input, 1)?[0];
                 let t = temps.as_ref().and_then(|t| t.get(k)).copied().unwrap_or(1.0);
                 out.confidence.get_or_insert_with(Vec::new).push(1.0 / (1.0 + (-z / t).exp()));
                 out.confidence_logits.get_or_insert_with(Vec::new).push(z);
             }
-            let row = logits.flatten_all()?.to_vec1::<f32>()?;
             let idx = choose(k, &row)?;
             prev = self.vocab.to_target(idx);
             out.tokens.push(prev);

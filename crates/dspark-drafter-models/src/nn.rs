@@ -124,6 +124,25 @@ pub fn with_gradient(arg: &Tensor, value: f32, grad: Tensor) -> Result<Tensor> {
     })
 }
 
+impl Linear {
+    /// [`Self::forward`] on `rows` rows given as plain values: drafting's sequential loop, where
+    /// a tensor per op would cost more than the arithmetic of a 1-row product.
+    pub fn forward_vec(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        let Some(q) = &self.fast else {
+            let t = Tensor::from_slice(x, (rows, x.len() / rows.max(1)), &Device::Cpu)?;
+            return self.forward(&t)?.flatten_all()?.to_vec1::<f32>();
+        };
+        let mut y = q.forward_slice(x, rows)?;
+        if let Some(b) = &self.bias {
+            let b = b.to_vec1::<f32>()?;
+            for row in y.chunks_mut(b.len()) {
+                row.iter_mut().zip(&b).for_each(|(v, c)| *v += c);
+            }
+        }
+        Ok(y)
+    }
+}
+
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(weight)
