@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The Qwen2.5-Coder-1.5B drafter (docs/TRAINING.md), stage by stage and resumable: run it again
+# after an interruption, or in the next session, and every stage continues where it stopped
+# (answers and features already on disk are kept; training resumes from its last checkpoint).
+# Usage: scripts/train_qwen_drafter.sh [SAMPLES] [STEPS] [METHOD]   METHOD: dspark-markov | dflash
+# Work files and runs go to $DSPARK_HOME/train (default ~/.cache/dspark/train).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SAMPLES=${1:-2000}
+STEPS=${2:-20000}
+METHOD=${3:-dspark-markov}
+W=${DSPARK_HOME:-$HOME/.cache/dspark}/train
+T=qwen2.5-coder-1.5b
+mkdir -p "$W"
+cargo build --release
+D=target/release/dspark
+
+# 1. Code prompts from ShareGPT (disjoint from every benchmark), answered by the target itself.
+[ -f "$W/code-prompts.jsonl" ] || $D data prompts --topic code --out "$W/code-prompts.jsonl"
+$D data regenerate -m $T --prompts "$W/code-prompts.jsonl" --out "$W/qwen-code-regen.jsonl" \
+    --n "$SAMPLES" --max-tokens 384 --batch 32
+# 2. The target's features (five layers + final norm, f16: ~18 KB per token).
+$D data features -m $T --data "$W/qwen-code-regen.jsonl" --out "$W/qwen-features" --max-len 512 --n "$SAMPLES"
+
+# 3. One draft layer with a 4 096-wide MLP (bf16 checkpoint < 80 MB), γ 7, 8 192-token draft
+#    vocabulary, 64 anchored blocks per sequence.
+case $METHOD in
+  dspark-markov) args=(--method dspark --head markov) ;;
+  dflash) args=(--method dflash) ;;
+  *) echo "METHOD must be dspark-markov or dflash" >&2; exit 2 ;;
+esac
+out="$W/qwen-run-$METHOD"
+common=(--target $T --data "$W/qwen-code-regen.jsonl" --features "$W/qwen-features" --n "$SAMPLES"
+        --block 7 --layers 1 --intermediate 4096 --draft-vocab 8192 --vocab-from "$W/qwen-code-regen.jsonl"
+        --markov-rank 32 --max-len 512 --batch 4 --anchors 64 --steps "$STEPS" --checkpoint-every 50)
+if [ -d "$out/checkpoints" ]; then
+  $D train "${args[@]}" "${common[@]}" --out "$out" --resume
+else
+  $D train "${args[@]}" "${common[@]}" --out "$out"
+fi
