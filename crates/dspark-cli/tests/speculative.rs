@@ -224,3 +224,25 @@ fn auto_stops_asking_a_drafter_that_does_not_pay_and_keeps_the_output() {
         assert!(fed <= prompt.len() - 1 + r.tokens.len(), "fed {fed}");
     }
 }
+
+/// `--drafter auto` as `bench decode` and `eval` use it: one drafter, prompt after prompt, with
+/// the shipped DSpark drafter inside. Each sequence starts clean (no rows held back from the last
+/// one reach the model drafter) and the output is plain greedy output.
+#[test]
+fn auto_with_the_shipped_drafter_runs_prompt_after_prompt() {
+    let m = std::sync::Arc::new(Model::load(&common::model("smollm2-135m")).unwrap());
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../drafters/smollm2-135m-dspark-markov");
+    let net = dspark_drafters::load_network_drafter(
+        dspark_drafter_models::Method::Dspark,
+        &dir,
+        m.clone(),
+        "smollm2-135m",
+    )
+    .unwrap();
+    let mut d = dspark_drafters::AutoDrafter::new(Some(net), 3);
+    for prompt in math_and_code(&m, 3) {
+        let (tokens, _) = spec(&m, &mut d, &prompt, 64, 7);
+        assert_eq!(tokens, plain(&m, &prompt, 64));
+    }
+}

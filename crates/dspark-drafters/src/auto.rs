@@ -57,6 +57,10 @@ impl Drafter for AutoDrafter {
     }
 
     fn begin(&mut self, prompt: &[u32], features: &TargetFeatures, seed: u64) -> DraftResult<()> {
+        // A new sequence: nothing held back from the last one, and its costs measured afresh.
+        self.pending = TargetFeatures::default();
+        self.round = None;
+        self.gate = Gate::default();
         self.lookup.begin(prompt, features, seed)?;
         if let Some(m) = &mut self.model {
             m.begin(prompt, features, seed)?;
