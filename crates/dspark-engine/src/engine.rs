@@ -1,6 +1,6 @@
 //! The engine thread and its handle.
 
-use crate::request::{Event, Request, SubmitError, Usage};
+use crate::request::{Event, Request, SubmitError, TokenLogprob, Usage, MAX_TOP_LOGPROBS};
 use dspark_decode::FinishReason;
 use dspark_drafter_models::BlockModel;
 use dspark_drafters::{propose_batch, BatchEntry, BlockSeq};
@@ -88,6 +88,11 @@ impl EngineHandle {
         }
         if p.max_tokens == 0 {
             return Err(SubmitError::Invalid("max_tokens must be at least 1".into()));
+        }
+        if p.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+            return Err(SubmitError::Invalid(format!(
+                "at most {MAX_TOP_LOGPROBS} top log-probabilities per token can be returned"
+            )));
         }
         let context = self.target.config.context_length;
         if prompt.len().saturating_add(p.max_tokens) > context {
@@ -541,14 +546,19 @@ impl Worker {
         s.usage.accepted_tokens += verdict.accepted;
         self.shared.verified.fetch_add(n as u64, Relaxed);
         self.shared.accepted.fetch_add(verdict.accepted as u64, Relaxed);
-        self.feed(s, out, 1 + verdict.accepted)?;
         let p = &s.req.params;
         let (emit, finish) =
             apply_stops(&mut s.context, s.prompt_len, committed, &p.stop_tokens, p.max_tokens);
+        // Committed token j was chosen from row j of the verify block, drafted or not, so the
+        // target's exact distribution is at hand for each.
+        let logprobs = p
+            .logprobs
+            .map(|k| emit.iter().enumerate().map(|(j, &t)| log_probs(out.logits_row(j, v), t, k)).collect());
+        self.feed(s, out, 1 + verdict.accepted)?;
         s.finish = finish;
         self.shared.committed.fetch_add(emit.len() as u64, Relaxed);
         if !emit.is_empty() {
-            s.send(Event::Tokens(emit));
+            s.send(Event::Tokens { tokens: emit, logprobs });
         }
         Ok(())
     }
@@ -571,5 +581,60 @@ impl Worker {
             d.feed(net, &std::mem::take(&mut s.pending))?;
         }
         Ok(())
+    }
+}
+
+/// `token`'s log-probability under `logits` (log-softmax, temperature 1) and the `top` most
+/// likely tokens' (ties by smaller id). The normaliser is summed in f64 so that a 150k-entry
+/// vocabulary loses no precision.
+pub fn log_probs(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
+    let log_z = max as f64 + sum.ln();
+    let lp = |i: usize| (logits[i] as f64 - log_z) as f32;
+    let mut best: Vec<u32> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        // A bounded insertion list: `top` is at most 20, the vocabulary large.
+        let after = |a: u32, b: u32| {
+            let (x, y) = (logits[a as usize], logits[b as usize]);
+            x < y || (x == y && a > b)
+        };
+        for i in 0..logits.len() as u32 {
+            if best.len() == top && !after(best[top - 1], i) {
+                continue;
+            }
+            let at = best.iter().position(|&b| after(b, i)).unwrap_or(best.len());
+            best.insert(at, i);
+            best.truncate(top);
+        }
+    }
+    TokenLogprob {
+        token,
+        logprob: lp(token as usize),
+        top: best.into_iter().map(|i| (i, lp(i as usize))).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::log_probs;
+
+    #[test]
+    fn log_probs_are_a_normalised_log_softmax_with_the_best_first() {
+        let logits = [1.0f32, 3.0, -2.0, 3.0, 0.5];
+        let z: f64 = logits.iter().map(|&x| (x as f64).exp()).sum();
+        let want = |i: usize| ((logits[i] as f64).exp() / z).ln() as f32;
+        let r = log_probs(&logits, 4, 3);
+        assert_eq!(r.token, 4);
+        assert!((r.logprob - want(4)).abs() < 1e-6);
+        let ids: Vec<u32> = r.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, vec![1, 3, 0], "descending, the tie broken by the smaller id");
+        for (i, lp) in &r.top {
+            assert!((lp - want(*i as usize)).abs() < 1e-6);
+        }
+        let total: f64 = (0..5).map(|i| (log_probs(&logits, i, 0).logprob as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert!(log_probs(&logits, 0, 0).top.is_empty());
+        assert_eq!(log_probs(&logits, 0, 9).top.len(), 5, "no more alternatives than the vocabulary");
     }
 }
