@@ -550,6 +550,11 @@ impl<'a> Detok<'a> {
     }
 }
 
+/// A log-probability as its shortest decimal (`-0.3`, not the f32's exact `-0.30000001192092896`).
+fn logprob_json(x: f32) -> Value {
+    json!(x.to_string().parse::<f64>().unwrap_or(x as f64))
+}
+
 /// A token as OpenAI shows it: its text (lossy where the token holds part of a character) and
 /// its exact bytes.
 fn token_text(tok: &dspark_tokenizer::Tokenizer, id: u32) -> (String, Vec<u8>) {
@@ -564,7 +569,7 @@ fn logprobs_json(tok: &dspark_tokenizer::Tokenizer, kind: Kind, lps: &[(usize, T
         Kind::Chat => {
             let entry = |id: u32, lp: f32| {
                 let (token, bytes) = token_text(tok, id);
-                json!({"token": token, "logprob": lp, "bytes": bytes})
+                json!({"token": token, "logprob": logprob_json(lp), "bytes": bytes})
             };
             let content: Vec<Value> = lps
                 .iter()
@@ -584,12 +589,12 @@ fn logprobs_json(tok: &dspark_tokenizer::Tokenizer, kind: Kind, lps: &[(usize, T
             for (offset, lp) in lps {
                 let text = |id| token_text(tok, id).0;
                 tokens.push(json!(text(lp.token)));
-                token_logprobs.push(json!(lp.logprob));
+                token_logprobs.push(logprob_json(lp.logprob));
                 // As in OpenAI's API: the alternatives and the chosen token (up to k + 1 keys);
                 // two tokens with the same text keep the likelier one's value.
                 let mut m = serde_json::Map::new();
                 for &(id, l) in lp.top.iter().chain([(lp.token, lp.logprob)].iter()) {
-                    m.entry(text(id)).or_insert(json!(l));
+                    m.entry(text(id)).or_insert(logprob_json(l));
                 }
                 top.push(Value::Object(m));
                 offsets.push(json!(offset));
