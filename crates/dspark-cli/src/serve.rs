@@ -112,7 +112,10 @@ pub struct EngineArgs {
     /// KV cache positions the running requests may reserve together.
     #[arg(long, default_value_t = 65536)]
     pub kv_tokens: usize,
-    /// Prompt tokens prefilled per step alongside decoding.
+    /// Prefill work per engine step, in prompt tokens at the start of a prompt: deeper in a long
+    /// prompt, where attention costs more, a step takes fewer tokens, so decoding requests keep
+    /// a bounded inter-token latency while long prompts are prefilled. Shared fairly between
+    /// prompts: a short one is never queued behind a long one's prefill.
     #[arg(long, default_value_t = 256)]
     pub prefill_chunk: usize,
     /// Keep the drafter's offline calibration fixed instead of refitting it on live traffic.

@@ -46,6 +46,26 @@ sampled = client.chat.completions.create(model=model, messages=msgs, max_tokens=
                                          extra_body={"metadata": {"tag": "chat"}})
 assert sampled.usage.completion_tokens > 0
 
+# Log-probabilities parse into the client's types; greedy tokens are their position's argmax.
+lp = client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0, logprobs=True,
+                                    top_logprobs=3)
+content = lp.choices[0].logprobs.content
+assert len(content) == lp.usage.completion_tokens, lp
+assert "".join(c.token for c in content) == lp.choices[0].message.content, lp
+for c in content:
+    assert c.logprob <= 0 and len(c.top_logprobs) == 3, c
+    assert abs(c.top_logprobs[0].logprob - c.logprob) < 1e-6 and c.top_logprobs[0].token == c.token, c
+    assert bytes(c.bytes).decode() == c.token, c
+lc = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=2)
+l = lc.choices[0].logprobs
+assert len(l.tokens) == len(l.token_logprobs) == len(l.top_logprobs) == len(l.text_offset) > 0, l
+assert "".join(l.tokens) == lc.choices[0].text and l.text_offset[0] == 0, l
+try:
+    client.chat.completions.create(model=model, messages=msgs, logprobs=True, top_logprobs=21)
+    raise AssertionError("top_logprobs 21 accepted")
+except openai.BadRequestError as e:
+    assert "top_logprobs" in str(e)
+
 try:
     client.chat.completions.create(model="no-such-model", messages=msgs)
     raise AssertionError("unknown model accepted")

@@ -415,8 +415,13 @@ fn batched_sampled_requests_follow_the_target_distribution() {
     let receivers: Vec<_> = (0..n)
         .map(|i| {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            let params =
-                RequestParams { max_tokens: 2, sampling, seed: 1000 + i as u64, stop_tokens: vec![] };
+            let params = RequestParams {
+                max_tokens: 2,
+                sampling,
+                seed: 1000 + i as u64,
+                stop_tokens: vec![],
+                logprobs: None,
+            };
             engine.submit(Request { prompt: prompt.clone(), params, tag: None, events: tx }).unwrap();
             rx
         })
@@ -427,7 +432,7 @@ fn batched_sampled_requests_follow_the_target_distribution() {
         let mut toks = Vec::new();
         loop {
             match rx.blocking_recv().expect("an answer") {
-                Event::Tokens(ts) => toks.extend(ts),
+                Event::Tokens { tokens, .. } => toks.extend(tokens),
                 Event::Done { usage, .. } => {
                     accepted += usage.accepted_tokens;
                     break;

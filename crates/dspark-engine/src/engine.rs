@@ -1,6 +1,6 @@
 //! The engine thread and its handle.
 
-use crate::request::{Event, Request, SubmitError, Usage};
+use crate::request::{Event, Request, SubmitError, TokenLogprob, Usage, MAX_TOP_LOGPROBS};
 use dspark_decode::FinishReason;
 use dspark_drafter_models::BlockModel;
 use dspark_drafters::{propose_batch, BatchEntry, BlockSeq};
@@ -28,7 +28,8 @@ pub struct EngineConfig {
     /// KV positions reserved across all running requests at most (each reserves its prompt,
     /// `max_tokens` and one verify block).
     pub kv_tokens: usize,
-    /// Prompt tokens prefilled per step, across requests, alongside decoding.
+    /// Prefill work per step across requests, alongside decoding, in token-equivalents (a
+    /// prompt token at context 0; see [`prefill_plan`]).
     pub prefill_chunk: usize,
     pub online_calibration: bool,
 }
@@ -88,6 +89,11 @@ impl EngineHandle {
         }
         if p.max_tokens == 0 {
             return Err(SubmitError::Invalid("max_tokens must be at least 1".into()));
+        }
+        if p.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+            return Err(SubmitError::Invalid(format!(
+                "at most {MAX_TOP_LOGPROBS} top log-probabilities per token can be returned"
+            )));
         }
         let context = self.target.config.context_length;
         if prompt.len().saturating_add(p.max_tokens) > context {
@@ -189,6 +195,7 @@ pub fn spawn(
             .as_ref()
             .map(|d| TapSpec { layers: d.config.target_layer_ids.clone(), final_norm: false })
             .unwrap_or_default(),
+        row_cost: RowCost::of(&target.config),
         target: target.clone(),
         drafter,
         sched: Scheduler::new(config.policy, config.cost.clone()),
@@ -276,6 +283,7 @@ enum Part {
 
 struct Worker {
     target: Arc<Model>,
+    row_cost: RowCost,
     drafter: Option<Arc<BlockModel>>,
     taps: TapSpec,
     sched: Scheduler,
@@ -423,13 +431,12 @@ impl Worker {
             survival.truncate(len);
             parts.push(Part::Verify { seq, proposal, survival });
         }
-        let mut chunk = self.config.prefill_chunk;
-        for (i, s) in seqs.iter().enumerate().filter(|(_, s)| !s.decoding()) {
-            let rows = (s.prompt_len - 1 - s.cache.len()).min(chunk);
-            if rows > 0 {
-                parts.push(Part::Prefill { seq: i, rows });
-                chunk -= rows;
-            }
+        let prefilling: Vec<(usize, usize, usize)> = (0..seqs.len())
+            .filter(|&i| !seqs[i].decoding())
+            .map(|i| (i, seqs[i].cache.len(), seqs[i].prompt_len - 1 - seqs[i].cache.len()))
+            .collect();
+        for (seq, rows) in prefill_plan(&self.row_cost, self.config.prefill_chunk, &prefilling) {
+            parts.push(Part::Prefill { seq, rows });
         }
         let outs = self.forward(seqs, &parts)?;
         for (part, out) in parts.into_iter().zip(outs) {
@@ -541,14 +548,19 @@ impl Worker {
         s.usage.accepted_tokens += verdict.accepted;
         self.shared.verified.fetch_add(n as u64, Relaxed);
         self.shared.accepted.fetch_add(verdict.accepted as u64, Relaxed);
-        self.feed(s, out, 1 + verdict.accepted)?;
         let p = &s.req.params;
         let (emit, finish) =
             apply_stops(&mut s.context, s.prompt_len, committed, &p.stop_tokens, p.max_tokens);
+        // Committed token j was chosen from row j of the verify block, drafted or not, so the
+        // target's exact distribution is at hand for each.
+        let logprobs = p
+            .logprobs
+            .map(|k| emit.iter().enumerate().map(|(j, &t)| log_probs(out.logits_row(j, v), t, k)).collect());
+        self.feed(s, out, 1 + verdict.accepted)?;
         s.finish = finish;
         self.shared.committed.fetch_add(emit.len() as u64, Relaxed);
         if !emit.is_empty() {
-            s.send(Event::Tokens(emit));
+            s.send(Event::Tokens { tokens: emit, logprobs });
         }
         Ok(())
     }
@@ -571,5 +583,157 @@ impl Worker {
             d.feed(net, &std::mem::take(&mut s.pending))?;
         }
         Ok(())
+    }
+}
+
+/// Multiply-adds of one row of a forward, in units of the matmuls' (a token-equivalent).
+#[derive(Debug, Clone)]
+pub struct RowCost {
+    /// Multiply-adds of the projections and MLP of one row, all layers.
+    matmuls: f64,
+    /// Per layer: attention multiply-adds per key (scores and values), and the key window of a
+    /// sliding-window layer.
+    layers: Vec<(f64, Option<usize>)>,
+}
+
+impl RowCost {
+    pub fn of(config: &dspark_model::Config) -> Self {
+        let heads = (config.n_heads * config.head_dim) as f64;
+        let kv = (config.n_kv_heads * config.head_dim) as f64;
+        let d = config.hidden as f64;
+        let per_layer = d * (heads + 2.0 * kv) + heads * d + 3.0 * d * config.intermediate as f64;
+        Self {
+            matmuls: (config.n_layers as f64 * per_layer).max(1.0),
+            layers: (0..config.n_layers)
+                .map(|l| (2.0 * heads, config.sliding_window.filter(|_| config.is_sliding(l))))
+                .collect(),
+        }
+    }
+
+    /// `rows` rows from context `c` on, each costed at the last one's (longest) attention.
+    pub fn rows(&self, c: usize, rows: usize) -> f64 {
+        let end = c + rows;
+        let attention: f64 =
+            self.layers.iter().map(|&(per_key, w)| per_key * w.map_or(end, |w| end.min(w)) as f64).sum();
+        rows as f64 * (1.0 + attention / self.matmuls)
+    }
+}
+
+/// Prompt rows to prefill this step, as `(request, rows)`, for requests given as `(request,
+/// tokens in its cache, prompt rows left)`.
+///
+/// The step's budget is `chunk` token-equivalents: a row at context `c` costs `1 + attention(c) /
+/// matmuls` (multiply-adds per row, from the model's shape), so a chunk deep in an 8k prompt,
+/// whose attention outweighs the matmuls, gets fewer rows and the step — and with it every
+/// decoding request's inter-token latency — stays about as long as a chunk at the start. The
+/// budget is shared max-min fairly: requests with the least left go first, each gets at most an
+/// equal share of what remains, and what it does not use passes on, so a short prompt is never
+/// queued behind a long one's prefill while the long one still gets the rest. Every request
+/// with rows left gets at least one, so none stalls.
+pub fn prefill_plan(cost: &RowCost, chunk: usize, requests: &[(usize, usize, usize)]) -> Vec<(usize, usize)> {
+    let cost = |c: usize, rows: usize| cost.rows(c, rows);
+    let mut order: Vec<&(usize, usize, usize)> = requests.iter().filter(|r| r.2 > 0).collect();
+    order.sort_by_key(|&&(i, _, left)| (left, i));
+    let mut budget = chunk as f64;
+    let mut plan = Vec::with_capacity(order.len());
+    for (k, &&(i, c, left)) in order.iter().enumerate() {
+        let share = budget / (order.len() - k) as f64;
+        // The most rows within the share (cost grows with rows): a binary search.
+        let (mut lo, mut hi) = (1, left);
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if cost(c, mid) <= share {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        budget = (budget - cost(c, lo)).max(0.0);
+        plan.push((i, lo));
+    }
+    plan.sort_unstable();
+    plan
+}
+
+/// `token`'s log-probability under `logits` (log-softmax, temperature 1) and the `top` most
+/// likely tokens' (ties by smaller id). The normaliser is summed in f64 so that a 150k-entry
+/// vocabulary loses no precision.
+pub fn log_probs(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
+    let log_z = max as f64 + sum.ln();
+    let lp = |i: usize| (logits[i] as f64 - log_z) as f32;
+    let mut best: Vec<u32> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        // A bounded insertion list: `top` is at most 20, the vocabulary large.
+        let after = |a: u32, b: u32| {
+            let (x, y) = (logits[a as usize], logits[b as usize]);
+            x < y || (x == y && a > b)
+        };
+        for i in 0..logits.len() as u32 {
+            if best.len() == top && !after(best[top - 1], i) {
+                continue;
+            }
+            let at = best.iter().position(|&b| after(b, i)).unwrap_or(best.len());
+            best.insert(at, i);
+            best.truncate(top);
+        }
+    }
+    TokenLogprob {
+        token,
+        logprob: lp(token as usize),
+        top: best.into_iter().map(|i| (i, lp(i as usize))).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{log_probs, prefill_plan, RowCost};
+
+    /// SmolLM2-135M's shape: hidden 576, MLP 1536, 30 layers, 9 query and 3 KV heads of 64.
+    fn smollm2_like() -> RowCost {
+        let per_layer = 576.0 * (576.0 + 2.0 * 192.0) + 576.0 * 576.0 + 3.0 * 576.0 * 1536.0;
+        RowCost { matmuls: 30.0 * per_layer, layers: vec![(2.0 * 576.0, None); 30] }
+    }
+
+    #[test]
+    fn prefill_budget_is_shared_fairly_and_shrinks_with_context() {
+        let c = smollm2_like();
+        // Alone at the start of its prompt a request gets about the whole budget.
+        let alone = prefill_plan(&c, 256, &[(0, 0, 8000)]);
+        assert!((200..=256).contains(&alone[0].1), "{alone:?}");
+        // Deep in the prompt, attention costs as much as the matmuls several times over: fewer rows.
+        let deep = prefill_plan(&c, 256, &[(0, 7000, 1000)]);
+        assert!(deep[0].1 < alone[0].1 / 2, "{deep:?}");
+        // A short prompt next to a long one is prefilled whole in this step; the long one gets
+        // what is left, not nothing.
+        let plan = prefill_plan(&c, 256, &[(0, 2048, 6000), (1, 0, 20), (2, 5, 0)]);
+        assert_eq!(plan.len(), 2, "a request with nothing left gets no part");
+        assert_eq!(plan[1], (1, 20));
+        assert!(plan[0].1 > 50, "{plan:?}");
+        // Equal requests get equal shares; every request moves even on a tiny budget.
+        let plan = prefill_plan(&c, 100, &[(0, 0, 500), (1, 0, 500)]);
+        assert_eq!(plan[0].1, plan[1].1);
+        let plan = prefill_plan(&c, 1, &[(0, 0, 500), (1, 8000, 500), (2, 0, 3)]);
+        assert!(plan.iter().all(|p| p.1 == 1), "{plan:?}");
+    }
+
+    #[test]
+    fn log_probs_are_a_normalised_log_softmax_with_the_best_first() {
+        let logits = [1.0f32, 3.0, -2.0, 3.0, 0.5];
+        let z: f64 = logits.iter().map(|&x| (x as f64).exp()).sum();
+        let want = |i: usize| ((logits[i] as f64).exp() / z).ln() as f32;
+        let r = log_probs(&logits, 4, 3);
+        assert_eq!(r.token, 4);
+        assert!((r.logprob - want(4)).abs() < 1e-6);
+        let ids: Vec<u32> = r.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, vec![1, 3, 0], "descending, the tie broken by the smaller id");
+        for (i, lp) in &r.top {
+            assert!((lp - want(*i as usize)).abs() < 1e-6);
+        }
+        let total: f64 = (0..5).map(|i| (log_probs(&logits, i, 0).logprob as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert!(log_probs(&logits, 0, 0).top.is_empty());
+        assert_eq!(log_probs(&logits, 0, 9).top.len(), 5, "no more alternatives than the vocabulary");
     }
 }

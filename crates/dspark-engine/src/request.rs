@@ -12,6 +12,23 @@ pub struct RequestParams {
     pub seed: u64,
     /// Tokens that end generation; not emitted.
     pub stop_tokens: Vec<u32>,
+    /// Log-probabilities to report with each emitted token: `None` for none, `Some(k)` for the
+    /// token's own and the `k` most likely tokens' (at most [`MAX_TOP_LOGPROBS`]).
+    pub logprobs: Option<usize>,
+}
+
+/// The most alternatives a request may ask log-probabilities for (OpenAI's `top_logprobs` limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// The target's log-probability of an emitted token and of the most likely tokens at its position:
+/// log-softmax of the target's raw logits (temperature 1, before top-k/top-p), whatever the
+/// request's sampling settings and whether the token was drafted or not.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// Most likely first; ties by smaller id.
+    pub top: Vec<(u32, f32)>,
 }
 
 pub struct Request {
@@ -61,8 +78,12 @@ impl Usage {
 
 #[derive(Debug, Clone)]
 pub enum Event {
-    /// Newly committed tokens, in order.
-    Tokens(Vec<u32>),
+    /// Newly committed tokens, in order, with their log-probabilities (one per token) when the
+    /// request asked for them.
+    Tokens {
+        tokens: Vec<u32>,
+        logprobs: Option<Vec<TokenLogprob>>,
+    },
     Done {
         finish: FinishReason,
         usage: Usage,

@@ -12,7 +12,9 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use dspark_engine::{EngineHandle, Event, FinishReason, Request, RequestParams, SubmitError, Usage};
+use dspark_engine::{
+    EngineHandle, Event, FinishReason, Request, RequestParams, SubmitError, TokenLogprob, Usage,
+};
 use dspark_model::Model;
 use dspark_sampling::SamplingParams;
 use dspark_tokenizer::{ChatMessage, StreamDecoder};
@@ -365,7 +367,8 @@ async fn chat(State(s): State<Arc<AppState>>, body: axum::body::Body) -> Respons
         let req: ChatRequest = openai::parse(&body)?;
         check_model(&s, &req.common.model)?;
         let turns = req.turns()?;
-        let settings = req.common.settings()?;
+        let mut settings = req.common.settings()?;
+        settings.logprobs = req.logprobs()?;
         let msgs: Vec<ChatMessage> = turns.iter().map(|(r, c)| ChatMessage::new(r, c)).collect();
         // Message text never becomes control tokens: a client cannot write other turns.
         let prompt = s
@@ -389,11 +392,13 @@ async fn completions(State(s): State<Arc<AppState>>, body: axum::body::Body) -> 
     let r: Result<_, ApiError> = (|| {
         let req: CompletionRequest = openai::parse(&body)?;
         check_model(&s, &req.common.model)?;
+        let logprobs = req.logprobs()?;
         let prompts = req.prompt.into_vec();
         if prompts.len() != 1 {
             return Err(ApiError::invalid("give exactly one prompt string", Some("prompt")));
         }
-        let settings = req.common.settings()?;
+        let mut settings = req.common.settings()?;
+        settings.logprobs = logprobs;
         let prompt = s
             .model()
             .tokenizer
@@ -484,6 +489,12 @@ impl StopFilter {
 struct Detok<'a> {
     dec: StreamDecoder<'a>,
     stops: StopFilter,
+    /// Log-probabilities of the tokens so far, each with the byte offset in the answer where the
+    /// token's text starts; the first `reported` went out already.
+    lps: Vec<(usize, TokenLogprob)>,
+    reported: usize,
+    /// A (byte, character) offset pair of the answer, to count character offsets incrementally.
+    chars_at: (usize, usize),
 }
 
 impl<'a> Detok<'a> {
@@ -491,13 +502,21 @@ impl<'a> Detok<'a> {
         Self {
             dec: StreamDecoder::new(tok),
             stops: StopFilter { stops: stops.to_vec(), text: String::new(), emitted: 0 },
+            lps: Vec::new(),
+            reported: 0,
+            chars_at: (0, 0),
         }
     }
 
-    /// Adds tokens; returns the text safe to emit and whether a stop sequence was reached.
-    fn push(&mut self, tokens: &[u32]) -> (String, bool) {
+    /// Adds tokens (with their log-probabilities when asked for); returns the text safe to emit
+    /// and whether a stop sequence was reached.
+    fn push(&mut self, tokens: &[u32], logprobs: Option<Vec<TokenLogprob>>) -> (String, bool) {
         let (mut out, mut hit) = (String::new(), false);
+        let mut logprobs = logprobs.map(Vec::into_iter);
         for &t in tokens {
+            if let Some(lp) = logprobs.as_mut().and_then(Iterator::next) {
+                self.lps.push((self.stops.text.len(), lp));
+            }
             if let Ok(Some(p)) = self.dec.push(t) {
                 let (e, h) = self.stops.push(&p);
                 out += &e;
@@ -510,6 +529,79 @@ impl<'a> Detok<'a> {
     fn flush(&mut self) -> String {
         self.stops.flush()
     }
+
+    /// Log-probabilities not reported yet of the tokens whose text starts in what was emitted —
+    /// so a token held back with a possible stop sequence is reported with its text, and tokens
+    /// at or after a stop sequence never are — or, with `all` (the answer ended without a stop
+    /// sequence), of every token left. Each comes with its text's offset in characters.
+    fn take_logprobs(&mut self, all: bool) -> Vec<(usize, TokenLogprob)> {
+        let limit = self.stops.emitted;
+        let n = self.lps[self.reported..].iter().take_while(|(o, _)| all || *o < limit).count();
+        let range = self.reported..self.reported + n;
+        self.reported += n;
+        let mut out = Vec::with_capacity(n);
+        for i in range {
+            let o = self.lps[i].0;
+            let (b, c) = self.chars_at;
+            self.chars_at = (o, c + self.stops.text[b..o].chars().count());
+            out.push((self.chars_at.1, self.lps[i].1.clone()));
+        }
+        out
+    }
+}
+
+/// A log-probability as its shortest decimal (`-0.3`, not the f32's exact `-0.30000001192092896`).
+fn logprob_json(x: f32) -> Value {
+    json!(x.to_string().parse::<f64>().unwrap_or(x as f64))
+}
+
+/// A token as OpenAI shows it: its text (lossy where the token holds part of a character) and
+/// its exact bytes.
+fn token_text(tok: &dspark_tokenizer::Tokenizer, id: u32) -> (String, Vec<u8>) {
+    let bytes = tok.token_bytes(id).unwrap_or_default();
+    (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+}
+
+/// The `logprobs` of a choice or chunk: chat's `{"content": [...]}`, or the legacy completions
+/// object `{tokens, token_logprobs, top_logprobs, text_offset}`.
+fn logprobs_json(tok: &dspark_tokenizer::Tokenizer, kind: Kind, lps: &[(usize, TokenLogprob)]) -> Value {
+    match kind {
+        Kind::Chat => {
+            let entry = |id: u32, lp: f32| {
+                let (token, bytes) = token_text(tok, id);
+                json!({"token": token, "logprob": logprob_json(lp), "bytes": bytes})
+            };
+            let content: Vec<Value> = lps
+                .iter()
+                .map(|(_, lp)| {
+                    let mut e = entry(lp.token, lp.logprob);
+                    e["top_logprobs"] = lp.top.iter().map(|&(id, l)| entry(id, l)).collect();
+                    e
+                })
+                .collect();
+            json!({"content": content})
+        }
+        Kind::Text => {
+            let mut tokens = Vec::new();
+            let mut token_logprobs = Vec::new();
+            let mut top = Vec::new();
+            let mut offsets = Vec::new();
+            for (offset, lp) in lps {
+                let text = |id| token_text(tok, id).0;
+                tokens.push(json!(text(lp.token)));
+                token_logprobs.push(logprob_json(lp.logprob));
+                // As in OpenAI's API: the alternatives and the chosen token (up to k + 1 keys);
+                // two tokens with the same text keep the likelier one's value.
+                let mut m = serde_json::Map::new();
+                for &(id, l) in lp.top.iter().chain([(lp.token, lp.logprob)].iter()) {
+                    m.entry(text(id)).or_insert(logprob_json(l));
+                }
+                top.push(Value::Object(m));
+                offsets.push(json!(offset));
+            }
+            json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
+        }
+    }
 }
 
 struct Ids {
@@ -521,7 +613,14 @@ struct Ids {
 }
 
 impl Ids {
-    fn chunk(&self, kind: Kind, content: Option<&str>, role: bool, finish: Option<&str>) -> Value {
+    fn chunk(
+        &self,
+        kind: Kind,
+        content: Option<&str>,
+        role: bool,
+        finish: Option<&str>,
+        logprobs: Value,
+    ) -> Value {
         let choice = match kind {
             Kind::Chat => {
                 let mut delta = serde_json::Map::new();
@@ -531,10 +630,10 @@ impl Ids {
                 if let Some(c) = content {
                     delta.insert("content".into(), json!(c));
                 }
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
             Kind::Text => {
-                json!({"index": 0, "text": content.unwrap_or(""), "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "text": content.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish})
             }
         };
         json!({"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": [choice]})
@@ -602,6 +701,7 @@ async fn generate(
         },
         seed: st.seed,
         stop_tokens: model.tokenizer.eos().to_vec(),
+        logprobs: st.logprobs,
     };
     let (tx, rx) = mpsc::unbounded_channel();
     let prompt_tokens = prompt.len();
@@ -639,15 +739,16 @@ async fn complete(
     ids: Ids,
     mut clock: Clock,
 ) -> Response {
-    let mut text = Detok::new(&s.engine.target.tokenizer, &st.stop);
+    let tok = &s.engine.target.tokenizer;
+    let mut text = Detok::new(tok, &st.stop);
     let mut out = String::new();
     let mut count = 0;
     let (finish, usage) = loop {
         match rx.recv().await {
-            Some(Event::Tokens(ts)) => {
+            Some(Event::Tokens { tokens: ts, logprobs }) => {
                 clock.tokens(&s.metrics, ts.len());
                 count += ts.len();
-                let (piece, hit) = text.push(&ts);
+                let (piece, hit) = text.push(&ts, logprobs);
                 out += &piece;
                 if hit {
                     break ("stop", None);
@@ -672,12 +773,16 @@ async fn complete(
             }
         }
     };
+    let logprobs = match st.logprobs {
+        Some(_) => logprobs_json(tok, kind, &text.take_logprobs(usage.is_some())),
+        None => Value::Null,
+    };
     let usage = finished(&s, usage, count, ids.prompt_tokens);
     let choice = match kind {
         Kind::Chat => {
-            json!({"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": null, "finish_reason": finish})
+            json!({"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": logprobs, "finish_reason": finish})
         }
-        Kind::Text => json!({"index": 0, "text": out, "logprobs": null, "finish_reason": finish}),
+        Kind::Text => json!({"index": 0, "text": out, "logprobs": logprobs, "finish_reason": finish}),
     };
     Json(json!({"id": ids.id, "object": ids.object, "created": ids.created, "model": ids.model,
                 "choices": [choice], "usage": usage}))
@@ -725,10 +830,10 @@ fn stream(
         let model = s.engine.target.clone();
         let mut text = Detok::new(&model.tokenizer, &st.stop);
         let data = |v: Value| SseEvent::default().data(v.to_string());
-        let first = if kind == Kind::Chat {
-            ids.chunk(kind, Some(""), true, None)
-        } else {
-            ids.chunk(kind, Some(""), false, None)
+        let first = ids.chunk(kind, Some(""), kind == Kind::Chat, None, Value::Null);
+        let render = |lps: &[(usize, TokenLogprob)]| match st.logprobs {
+            Some(_) => logprobs_json(&model.tokenizer, kind, lps),
+            None => Value::Null,
         };
         if tx.send(data(first)).await.is_err() {
             s.metrics.request("cancelled");
@@ -744,12 +849,22 @@ fn stream(
                 ev = rx.recv() => ev,
             };
             match ev {
-                Some(Event::Tokens(ts)) => {
+                Some(Event::Tokens { tokens: ts, logprobs }) => {
                     clock.tokens(&s.metrics, ts.len());
                     count += ts.len();
-                    let (piece, hit) = text.push(&ts);
+                    let (piece, hit) = text.push(&ts, logprobs);
+                    // A token's log-probability goes with the chunk that shows its text.
                     if !piece.is_empty()
-                        && tx.send(data(ids.chunk(kind, Some(&piece), false, None))).await.is_err()
+                        && tx
+                            .send(data(ids.chunk(
+                                kind,
+                                Some(&piece),
+                                false,
+                                None,
+                                render(&text.take_logprobs(false)),
+                            )))
+                            .await
+                            .is_err()
                     {
                         s.metrics.request("cancelled");
                         return;
@@ -760,8 +875,9 @@ fn stream(
                 }
                 Some(Event::Done { finish, usage }) => {
                     let rest = text.flush();
-                    if !rest.is_empty() {
-                        let _ = tx.send(data(ids.chunk(kind, Some(&rest), false, None))).await;
+                    let left = text.take_logprobs(true);
+                    if !rest.is_empty() || !left.is_empty() {
+                        let _ = tx.send(data(ids.chunk(kind, Some(&rest), false, None, render(&left)))).await;
                     }
                     break (finish_reason(finish), Some(usage));
                 }
@@ -785,6 +901,7 @@ fn stream(
                 if kind == Kind::Chat { None } else { Some("") },
                 false,
                 Some(finish),
+                Value::Null,
             )))
             .await;
         if st.include_usage {

@@ -124,8 +124,58 @@ pub struct Common {
 #[derive(Debug, Deserialize)]
 pub struct ChatRequest {
     pub messages: Vec<Message>,
+    /// `true` to get each emitted token's log-probability (kept as JSON so that a wrong type
+    /// gets a message naming the field).
+    #[serde(default)]
+    pub logprobs: Option<Value>,
+    /// 0 to 20 alternatives per token; needs `logprobs: true`.
+    #[serde(default)]
+    pub top_logprobs: Option<Value>,
     #[serde(flatten)]
     pub common: Common,
+}
+
+/// The most alternatives `/v1/completions` returns per token (`logprobs`), as in OpenAI's API.
+pub const MAX_COMPLETION_LOGPROBS: usize = 5;
+
+impl ChatRequest {
+    /// `None` without log-probabilities, else the number of alternatives per token.
+    pub fn logprobs(&self) -> Result<Option<usize>, ApiError> {
+        let on = match &self.logprobs {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(v) => {
+                return Err(ApiError::invalid(
+                    format!(
+                        "logprobs must be true or false for chat completions (got {v}); \
+                         ask for alternatives with top_logprobs"
+                    ),
+                    Some("logprobs"),
+                ))
+            }
+        };
+        let top = match &self.top_logprobs {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(count(v, dspark_engine::MAX_TOP_LOGPROBS, "top_logprobs")?),
+        };
+        match (on, top) {
+            (false, Some(_)) => {
+                Err(ApiError::invalid("top_logprobs needs logprobs: true; set both", Some("top_logprobs")))
+            }
+            (false, None) => Ok(None),
+            (true, top) => Ok(Some(top.unwrap_or(0))),
+        }
+    }
+}
+
+/// An integer in `0..=max` for the field `name`.
+fn count(v: &Value, max: usize, name: &'static str) -> Result<usize, ApiError> {
+    match v.as_u64() {
+        Some(n) if n <= max as u64 => Ok(n as usize),
+        _ => {
+            Err(ApiError::invalid(format!("{name} must be an integer from 0 to {max} (got {v})"), Some(name)))
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -136,8 +186,28 @@ pub struct CompletionRequest {
     /// text relayed from users cannot forge control tokens.
     #[serde(default)]
     pub parse_special: bool,
+    /// The number of alternatives per token whose log-probabilities come back with the emitted
+    /// tokens' (0 to 5).
+    #[serde(default)]
+    pub logprobs: Option<Value>,
     #[serde(flatten)]
     pub common: Common,
+}
+
+impl CompletionRequest {
+    pub fn logprobs(&self) -> Result<Option<usize>, ApiError> {
+        match &self.logprobs {
+            None | Some(Value::Null) => Ok(None),
+            Some(v @ Value::Bool(_)) => Err(ApiError::invalid(
+                format!(
+                    "logprobs must be an integer from 0 to {MAX_COMPLETION_LOGPROBS} for completions \
+                     (got {v}): the number of alternatives per token"
+                ),
+                Some("logprobs"),
+            )),
+            Some(v) => count(v, MAX_COMPLETION_LOGPROBS, "logprobs").map(Some),
+        }
+    }
 }
 
 /// Parses a body, telling malformed JSON apart from a well-formed body of the wrong shape.
@@ -162,6 +232,9 @@ pub struct Settings {
     pub tag: Option<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// Alternatives per token when log-probabilities are asked for (set by the endpoint: chat
+    /// and completions spell the option differently).
+    pub logprobs: Option<usize>,
 }
 
 impl Common {
@@ -225,6 +298,7 @@ impl Common {
             tag,
             stream: self.stream,
             include_usage: self.stream_options.as_ref().is_some_and(|o| o.include_usage),
+            logprobs: None,
         })
     }
 }
@@ -297,6 +371,37 @@ mod tests {
         assert_eq!(bad(r#""top_p":0"#), Some("top_p"));
         assert_eq!(bad(r#""max_tokens":0"#), Some("max_tokens"));
         assert_eq!(bad(r#""n":2"#), Some("n"));
+        let chat_lp = |extra: &str| {
+            let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}]{extra}}}"#);
+            parse::<ChatRequest>(body.as_bytes()).unwrap().logprobs()
+        };
+        assert_eq!(chat_lp("").unwrap(), None);
+        assert_eq!(chat_lp(r#","logprobs":false"#).unwrap(), None);
+        assert_eq!(chat_lp(r#","logprobs":true"#).unwrap(), Some(0));
+        assert_eq!(chat_lp(r#","logprobs":true,"top_logprobs":20"#).unwrap(), Some(20));
+        for bad in [
+            r#","logprobs":true,"top_logprobs":21"#,
+            r#","logprobs":true,"top_logprobs":-1"#,
+            r#","logprobs":true,"top_logprobs":2.5"#,
+            r#","logprobs":true,"top_logprobs":"3""#,
+            r#","top_logprobs":3"#,
+            r#","logprobs":5"#,
+            r#","logprobs":"yes""#,
+        ] {
+            let e = chat_lp(bad).unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{bad}");
+            assert!(e.message.contains("logprobs"), "{bad}: {}", e.message);
+        }
+        let text_lp = |extra: &str| {
+            let body = format!(r#"{{"model":"m","prompt":"p"{extra}}}"#);
+            parse::<CompletionRequest>(body.as_bytes()).unwrap().logprobs()
+        };
+        assert_eq!(text_lp("").unwrap(), None);
+        assert_eq!(text_lp(r#","logprobs":0"#).unwrap(), Some(0));
+        assert_eq!(text_lp(r#","logprobs":5"#).unwrap(), Some(5));
+        for bad in [r#","logprobs":6"#, r#","logprobs":-1"#, r#","logprobs":true"#, r#","logprobs":1e30"#] {
+            assert_eq!(text_lp(bad).unwrap_err().param, Some("logprobs"), "{bad}");
+        }
         let parts: ChatRequest = parse(
             br#"{"model":"m","messages":[{"role":"developer","content":[{"type":"text","text":"a"}]}]}"#,
         )

@@ -45,6 +45,11 @@ pub struct Tokenizer {
     vocab_size: usize,
     /// Control tokens by their text's first byte, longest first: how template markup is split.
     specials: std::collections::HashMap<u8, Vec<(String, u32)>>,
+    /// Control tokens: their text is literal, not byte-level or SentencePiece encoded
+    /// (user-defined added tokens such as Gemma's runs of `▁` are encoded like the vocabulary).
+    control: std::collections::HashSet<u32>,
+    /// Byte-level BPE (GPT-2 style) rather than SentencePiece: how a vocabulary entry maps to bytes.
+    byte_level: bool,
 }
 
 impl Tokenizer {
@@ -78,7 +83,15 @@ impl Tokenizer {
         for v in specials.values_mut() {
             v.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
         }
-        Self { with_special, plain, bos, add_bos, eos, vocab_size, specials }
+        let control = with_special
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(i, _)| i)
+            .collect();
+        let byte_level =
+            matches!(with_special.get_decoder(), Some(tokenizers::decoders::DecoderWrapper::ByteLevel(_)));
+        Self { with_special, plain, bos, add_bos, eos, vocab_size, specials, control, byte_level }
     }
 
     /// Tokenizes `text` as-is. `parse_special` splits special tokens such as `<|im_start|>` out of
@@ -165,6 +178,35 @@ impl Tokenizer {
         self.with_special.id_to_token(id)
     }
 
+    /// The exact bytes one token contributes to the text (OpenAI's `bytes` in logprobs): a
+    /// byte-level token may hold part of a UTF-8 character, which `decode` of that token alone
+    /// would turn into U+FFFD. `None` for an id outside the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        let piece = self.with_special.id_to_token(id)?;
+        if self.control.contains(&id) {
+            return Some(piece.into_bytes());
+        }
+        if self.byte_level {
+            let table = unicode_to_byte();
+            let mut out = Vec::with_capacity(piece.len());
+            for c in piece.chars() {
+                match table.get(&c) {
+                    Some(&b) => out.push(b),
+                    // Not a byte-level character: the vocabulary stores it literally.
+                    None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+                }
+            }
+            return Some(out);
+        }
+        // SentencePiece: `<0xNN>` byte-fallback pieces, and ▁ for a space.
+        if let Some(hex) = piece.strip_prefix("<0x").and_then(|r| r.strip_suffix('>')) {
+            if let (2, Ok(b)) = (hex.len(), u8::from_str_radix(hex, 16)) {
+                return Some(vec![b]);
+            }
+        }
+        Some(piece.replace('\u{2581}', " ").into_bytes())
+    }
+
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.with_special.token_to_id(token)
     }
@@ -198,6 +240,27 @@ impl Tokenizer {
     pub fn vocab(&self) -> std::collections::HashMap<String, u32> {
         self.with_special.get_vocab(true)
     }
+}
+
+/// GPT-2's byte-level alphabet reversed: the printable bytes stand for themselves, the others
+/// (control characters, space, 0x7F–0xA0, 0xAD) are shifted to U+0100 onwards in byte order.
+fn unicode_to_byte() -> &'static std::collections::HashMap<char, u8> {
+    static TABLE: std::sync::OnceLock<std::collections::HashMap<char, u8>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        let mut shifted = 0u32;
+        (0..=255u8)
+            .map(|b| {
+                let c = if printable(b) {
+                    char::from(b)
+                } else {
+                    shifted += 1;
+                    char::from_u32(255 + shifted).expect("U+0100..U+0143 are characters")
+                };
+                (c, b)
+            })
+            .collect()
+    })
 }
 
 /// Turns a stream of ids into text pieces that are always whole UTF-8: byte-level tokens may
