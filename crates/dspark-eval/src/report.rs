@@ -55,7 +55,8 @@ impl DrafterResult {
 
     /// Mean of the per-benchmark τ (benchmarks with at least one round).
     pub fn macro_tau(&self) -> f64 {
-        let v: Vec<f64> = self.per_bench.iter().filter(|s| s.rounds > 0).map(|s| s.tau()).collect();
+        let v: Vec<f64> =
+            self.per_bench.iter().filter(|s| s.rounds + s.plain_steps > 0).map(|s| s.tau()).collect();
         v.iter().sum::<f64>() / v.len().max(1) as f64
     }
 

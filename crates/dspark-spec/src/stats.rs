@@ -19,8 +19,9 @@ pub struct SpecStats {
     pub decode_s: f64,
     pub draft_s: f64,
     pub verify_s: f64,
-    /// Steps decoded without drafting because drafting did not pay (`--drafter auto`'s gate);
-    /// not counted in `rounds`.
+    /// Steps that drafted nothing (no prompt-lookup match, or `--drafter auto` decided drafting
+    /// did not pay): each verifies the anchor alone and commits one token. Not counted in
+    /// `rounds`.
     pub plain_steps: usize,
 }
 
@@ -44,12 +45,14 @@ impl SpecStats {
         self.verify_s += verify_s;
     }
 
-    /// τ: mean tokens committed per round, bonus included.
+    /// τ: mean tokens committed per target forward (verify step), bonus included; a step that
+    /// drafted nothing commits one.
     pub fn tau(&self) -> f64 {
-        if self.rounds == 0 {
+        let steps = self.rounds + self.plain_steps;
+        if steps == 0 {
             0.0
         } else {
-            self.committed as f64 / self.rounds as f64
+            (self.committed + self.plain_steps) as f64 / steps as f64
         }
     }
 
@@ -89,6 +92,7 @@ impl SpecStats {
         self.decode_s += o.decode_s;
         self.draft_s += o.draft_s;
         self.verify_s += o.verify_s;
+        self.plain_steps += o.plain_steps;
     }
 
     /// The `--json` form: counts plus τ and per-position acceptance.
