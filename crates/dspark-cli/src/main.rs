@@ -7,6 +7,7 @@ mod data;
 mod eval;
 mod serve;
 mod serve_bench;
+mod trace;
 mod train;
 
 use anyhow::{bail, Context, Result};
@@ -88,6 +89,9 @@ enum Cmd {
     /// Benchmarks that print figures (never timed tests).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
+    /// Print a drafter's drafts, logits and confidence logits along a fixed decode path (N
+    /// drafts accepted each round), to compare with a reference implementation.
+    DraftTrace(trace::TraceArgs),
 }
 
 #[derive(Args, Clone)]
@@ -516,6 +520,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Profile(p) => serve::run_profile(p)?,
         Cmd::Eval(e) => eval::run(e)?,
         Cmd::Serve(sv) => serve::run_serve(sv)?,
+        Cmd::DraftTrace(t) => trace::run(t)?,
     }
     Ok(())
 }
