@@ -5,6 +5,7 @@ mod bench;
 mod calibrate;
 mod data;
 mod eval;
+mod export;
 mod serve;
 mod serve_bench;
 mod trace;
@@ -92,6 +93,8 @@ enum Cmd {
     /// Print a drafter's drafts, logits and confidence logits along a fixed decode path (N
     /// drafts accepted each round), to compare with a reference implementation.
     DraftTrace(trace::TraceArgs),
+    /// Write a drafter in a public layout (DeepSpec, z-lab DFlash, SafeAILab / vLLM EAGLE-3).
+    ExportDrafter(export::ExportArgs),
 }
 
 #[derive(Args, Clone)]
@@ -521,6 +524,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Eval(e) => eval::run(e)?,
         Cmd::Serve(sv) => serve::run_serve(sv)?,
         Cmd::DraftTrace(t) => trace::run(t)?,
+        Cmd::ExportDrafter(x) => export::run(x)?,
     }
     Ok(())
 }
