@@ -15,7 +15,10 @@
 //! A layout is refused, naming the reason, when its code would compute something else: z-lab has
 //! no Markov or confidence heads and uses the `[anchor, MASK × γ]` block; DeepSpec's blocks
 //! are MASK-only; no public layout reads the last target layer (its id means the final norm's
-//! output there); SafeAILab splits heads evenly and has no embedding-output tap.
+//! output there); SafeAILab splits heads evenly and has no embedding-output tap. Not refused,
+//! but documented: DeepSpec's EAGLE-3 code expects exactly five target layers, SafeAILab's own
+//! code ignores vLLM's `eagle_config` (its taps are fixed), and a SafeAILab folder carries no
+//! chain length (dspark drafts 8 per round from it unless told).
 
 use crate::config::{BlockLayout, DrafterConfig, HeadKind, Method};
 use crate::{DrafterError, DrafterNet, Result};
