@@ -5,8 +5,10 @@ mod bench;
 mod calibrate;
 mod data;
 mod eval;
+mod export;
 mod serve;
 mod serve_bench;
+mod trace;
 mod train;
 
 use anyhow::{bail, Context, Result};
@@ -88,6 +90,11 @@ enum Cmd {
     /// Benchmarks that print figures (never timed tests).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
+    /// Print a drafter's drafts, logits and confidence logits along a fixed decode path (N
+    /// drafts accepted each round), to compare with a reference implementation.
+    DraftTrace(trace::TraceArgs),
+    /// Write a drafter in a public layout (DeepSpec, z-lab DFlash, SafeAILab / vLLM EAGLE-3).
+    ExportDrafter(export::ExportArgs),
 }
 
 #[derive(Args, Clone)]
@@ -529,6 +536,8 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Profile(p) => serve::run_profile(p)?,
         Cmd::Eval(e) => eval::run(e)?,
         Cmd::Serve(sv) => serve::run_serve(sv)?,
+        Cmd::DraftTrace(t) => trace::run(t)?,
+        Cmd::ExportDrafter(x) => export::run(x)?,
     }
     Ok(())
 }

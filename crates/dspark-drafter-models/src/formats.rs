@@ -348,9 +348,22 @@ pub fn public(v: Value, path: &str) -> Result<DrafterConfig> {
             ext.method = Method::Eagle3;
         }
     }
-    if ext.method != Method::Eagle3 && k.map.contains_key("draft_vocab_size") {
+    // SafeAILab's key, read above for its own format; a reduced vocabulary in the other
+    // layouts is one of ours (see `export`), as are the keys below.
+    if k.map.contains_key("draft_vocab_size") {
         let vd = k.need_usize("draft_vocab_size")?;
         c.draft_vocab_size = (vd != vocab_size).then_some(vd);
+    }
+    if let Some(t) = k.take("dspark_calibration_temperatures") {
+        let t: Vec<f32> = serde_json::from_value(t.clone())
+            .map_err(|_| k.err(format!("`dspark_calibration_temperatures` is {t}, not a list of numbers")))?;
+        ext.calibration_temperatures = Some(t);
+    }
+    if let Some(t) = k.take("dspark_target") {
+        ext.target = Some(
+            serde_json::from_value(t.clone())
+                .map_err(|e| k.err(format!("`dspark_target` is {t}, which dspark cannot read: {e}")))?,
+        );
     }
     k.finish()?;
     c.dspark = Some(ext);

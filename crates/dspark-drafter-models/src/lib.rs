@@ -6,6 +6,7 @@ pub mod common;
 pub mod config;
 pub mod dflash;
 pub mod eagle3;
+pub mod export;
 pub mod formats;
 pub mod nn;
 mod pth;
@@ -94,17 +95,22 @@ pub fn save(
     tensors: &BTreeMap<String, Tensor>,
     vocab: &DraftVocab,
 ) -> Result<()> {
-    let io = |e: std::io::Error| DrafterError::Checkpoint(format!("cannot write {}: {e}", dir.display()));
-    std::fs::create_dir_all(dir).map_err(io)?;
     let mut all = tensors.clone();
     if let Some(d2t) = vocab.tensor()? {
         all.insert("d2t".into(), d2t);
     }
+    write_checkpoint(dir, &serde_json::to_string_pretty(config).expect("config serialises"), &all)
+}
+
+/// Writes `DIR/config.json` (`config`) and `DIR/model.safetensors` (`tensors`).
+pub(crate) fn write_checkpoint(dir: &Path, config: &str, tensors: &BTreeMap<String, Tensor>) -> Result<()> {
+    let io = |e: std::io::Error| DrafterError::Checkpoint(format!("cannot write {}: {e}", dir.display()));
+    std::fs::create_dir_all(dir).map_err(io)?;
     // Write both files under temporary names first so that an interrupted save never leaves a
     // checkpoint whose config and weights disagree.
     let (cfg_tmp, st_tmp) = (dir.join("config.json.partial"), dir.join("model.safetensors.partial"));
-    std::fs::write(&cfg_tmp, serde_json::to_string_pretty(config).expect("config serialises")).map_err(io)?;
-    Store::save(&all, &st_tmp)?;
+    std::fs::write(&cfg_tmp, config).map_err(io)?;
+    Store::save(tensors, &st_tmp)?;
     std::fs::rename(&st_tmp, dir.join("model.safetensors")).map_err(io)?;
     std::fs::rename(&cfg_tmp, dir.join("config.json")).map_err(io)?;
     Ok(())

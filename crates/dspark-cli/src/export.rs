@@ -1,0 +1,46 @@
+//! `dspark export-drafter`: one of our drafters written in a public layout (DeepSpec, z-lab
+//! DFlash, SafeAILab / vLLM EAGLE-3); see `dspark_drafter_models::export` for what each layout
+//! carries and which of our additions the official code does not read.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use dspark_drafter_models::export::{export, PublicFormat};
+use dspark_model::Model;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Args)]
+pub struct ExportArgs {
+    /// The drafter checkpoint folder.
+    drafter: PathBuf,
+    /// deepspec (DSpark, DFlash with DeepSpec's block, EAGLE-3), zlab (DFlash with the
+    /// [anchor, MASK × γ] block) or eagle3 (SafeAILab / vLLM).
+    #[arg(long)]
+    format: String,
+    /// Output folder (config.json + model.safetensors).
+    #[arg(long)]
+    out: PathBuf,
+    /// The target (name or path; default: the one the drafter records). The layouts that carry
+    /// copies of the target's embedding and head take them from it.
+    #[arg(long)]
+    target: Option<String>,
+}
+
+pub fn run(a: ExportArgs) -> Result<()> {
+    let format: PublicFormat = a.format.parse()?;
+    if a.out.join("config.json").exists() {
+        bail!("{} already holds a checkpoint; choose an empty --out folder", a.out.display());
+    }
+    let recorded = dspark_drafter_models::read_config(&a.drafter)?.ext().target.map(|t| t.name);
+    let target_arg = match a.target.or(recorded) {
+        Some(t) => crate::ModelArg { model: t },
+        None => bail!("{} does not say which target it was made for; pass --target", a.drafter.display()),
+    };
+    let path = dspark_hub::resolve(&target_arg.model, true)?;
+    let target = Arc::new(Model::load(&path).with_context(|| format!("loading target {}", path.display()))?);
+    let net = dspark_drafter_models::load(&a.drafter, target.clone(), &target_arg.name())
+        .with_context(|| format!("loading drafter {}", a.drafter.display()))?;
+    export(&net, &target, format, &a.out)?;
+    eprintln!("wrote {} in the {} layout to {}", a.drafter.display(), a.format, a.out.display());
+    Ok(())
+}
