@@ -258,6 +258,7 @@ fn the_serving_engine_with_public_drafters_on_a_qwen3_gguf_equals_plain_greedy()
                     sampling: SamplingParams::default(),
                     seed: 0,
                     stop_tokens: vec![],
+                    logprobs: None,
                 };
                 engine.submit(Request { prompt: p.clone(), params, tag: None, events: tx }).unwrap();
                 rx
@@ -267,7 +268,7 @@ fn the_serving_engine_with_public_drafters_on_a_qwen3_gguf_equals_plain_greedy()
             let mut toks = Vec::new();
             loop {
                 match rx.blocking_recv().expect("an answer") {
-                    Event::Tokens(ts) => toks.extend(ts),
+                    Event::Tokens { tokens, .. } => toks.extend(tokens),
                     Event::Done { usage, .. } => {
                         assert!(usage.drafted_tokens > 0, "{variant}: request {i} drafted");
                         accepted += usage.accepted_tokens;
