@@ -4,7 +4,6 @@
 
 mod common;
 
-use dspark_drafter_models::DrafterNet;
 use dspark_engine::EngineConfig;
 use dspark_model::{Model, SeqInput, TapSpec};
 use dspark_schedule::{CostTable, Policy};
@@ -12,7 +11,6 @@ use dspark_server::{AppState, ServerHandle};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::io::BufRead;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 const MODEL: &str = "smollm2-135m";
@@ -22,15 +20,7 @@ const PROMPT: &str =
 const MAX_TOKENS: usize = 40;
 
 fn server(t: &Arc<Model>, policy: Policy) -> (ServerHandle, String) {
-    let drafter = policy.drafts().then(|| {
-        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../drafters/smollm2-135m-dspark-markov");
-        let mut net = dspark_drafter_models::load(&dir, t.clone(), MODEL).unwrap();
-        net.quantize_for_inference().unwrap();
-        match net {
-            DrafterNet::Block(m) => Arc::new(m),
-            DrafterNet::Eagle3(_) => unreachable!(),
-        }
-    });
+    let drafter = policy.drafts().then(|| common::shipped_block_drafter(t));
     let config = EngineConfig {
         policy,
         // Verifying costs nothing here, so every draft is verified.

@@ -5,7 +5,6 @@
 
 mod common;
 
-use dspark_drafter_models::DrafterNet;
 use dspark_engine::{EngineConfig, EngineHandle, Event, Request, RequestParams};
 use dspark_model::Model;
 use dspark_sampling::SamplingParams;
@@ -20,16 +19,6 @@ const MODEL: &str = "smollm2-135m";
 
 fn target() -> Arc<Model> {
     Arc::new(Model::load(&common::model(MODEL)).unwrap())
-}
-
-fn drafter(t: &Arc<Model>) -> Arc<dspark_drafter_models::BlockModel> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../drafters/smollm2-135m-dspark-markov");
-    let mut net = dspark_drafter_models::load(&dir, t.clone(), MODEL).unwrap();
-    net.quantize_for_inference().unwrap();
-    match net {
-        DrafterNet::Block(m) => Arc::new(m),
-        DrafterNet::Eagle3(_) => unreachable!(),
-    }
 }
 
 fn engine(t: &Arc<Model>, policy: Policy, prefill_chunk: usize) -> Arc<EngineHandle> {
@@ -49,7 +38,8 @@ fn engine(t: &Arc<Model>, policy: Policy, prefill_chunk: usize) -> Arc<EngineHan
         prefill_chunk,
         online_calibration: false,
     };
-    dspark_engine::spawn(t.clone(), policy.drafts().then(|| drafter(t)), config).unwrap()
+    dspark_engine::spawn(t.clone(), policy.drafts().then(|| common::shipped_block_drafter(t)), config)
+        .unwrap()
 }
 
 fn submit(
@@ -183,7 +173,7 @@ fn bench_inter_token_latency_during_a_long_prefill() {
         prefill_chunk: chunk,
         online_calibration: true,
     };
-    let e = dspark_engine::spawn(t.clone(), Some(drafter(&t)), config).unwrap();
+    let e = dspark_engine::spawn(t.clone(), Some(common::shipped_block_drafter(&t)), config).unwrap();
     let state = Arc::new(dspark_server::AppState::new(e, MODEL, Some("dspark".into()), 64));
     let srv = dspark_server::start(state, "127.0.0.1:0").unwrap();
     let base = format!("http://{}", srv.addr);

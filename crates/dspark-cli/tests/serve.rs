@@ -4,7 +4,6 @@
 
 mod common;
 
-use dspark_drafter_models::DrafterNet;
 use dspark_engine::EngineConfig;
 use dspark_model::Model;
 use dspark_schedule::{CostTable, Policy};
@@ -19,16 +18,6 @@ const MODEL: &str = "smollm2-135m";
 
 fn target() -> Arc<Model> {
     Arc::new(Model::load(&common::model(MODEL)).unwrap())
-}
-
-fn drafter(t: &Arc<Model>) -> Arc<dspark_drafter_models::BlockModel> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../drafters/smollm2-135m-dspark-markov");
-    let mut net = dspark_drafter_models::load(&dir, t.clone(), MODEL).unwrap();
-    net.quantize_for_inference().unwrap();
-    match net {
-        DrafterNet::Block(m) => Arc::new(m),
-        DrafterNet::Eagle3(_) => unreachable!(),
-    }
 }
 
 /// A cost table under which verifying is nearly free, so the dspark policy verifies long
@@ -57,7 +46,7 @@ fn config(policy: Policy) -> EngineConfig {
 }
 
 fn server(t: &Arc<Model>, config: EngineConfig) -> (ServerHandle, String) {
-    let d = config.policy.drafts().then(|| drafter(t));
+    let d = config.policy.drafts().then(|| common::shipped_block_drafter(t));
     let engine = dspark_engine::spawn(t.clone(), d, config).unwrap();
     let state = Arc::new(AppState::new(engine, MODEL, Some("dspark".into()), 64));
     let s = dspark_server::start(state, "127.0.0.1:0").unwrap();
@@ -408,7 +397,9 @@ fn batched_sampled_requests_follow_the_target_distribution() {
     use dspark_model::{SeqInput, TapSpec};
     use dspark_sampling::SamplingParams;
     let t = target();
-    let engine = dspark_engine::spawn(t.clone(), Some(drafter(&t)), config(Policy::Dspark)).unwrap();
+    let engine =
+        dspark_engine::spawn(t.clone(), Some(common::shipped_block_drafter(&t)), config(Policy::Dspark))
+            .unwrap();
     let prompt = t.tokenizer.encode("The weather today is", true).unwrap();
     let sampling = SamplingParams { temperature: 1.0, top_k: Some(40), top_p: None };
     let n = 2400;

@@ -119,3 +119,17 @@ pub fn chi2_check(counts: &[usize], p: &[f64], n: usize, what: &str) {
     eprintln!("{what}: χ² {chi2:.1} on {} dof (critical {crit:.1})", bins.max(2) - 1);
     assert!(chi2 < crit, "{what}: χ² {chi2} ≥ {crit}");
 }
+
+/// The shipped SmolLM2 DSpark-Markov drafter as the serving engine takes it: a block model with
+/// its 8-bit inference weights.
+pub fn shipped_block_drafter(t: &std::sync::Arc<Model>) -> std::sync::Arc<dspark_drafter_models::BlockModel> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../drafters/smollm2-135m-dspark-markov");
+    let mut net = dspark_drafter_models::load(&dir, t.clone(), "smollm2-135m").unwrap();
+    net.quantize_for_inference().unwrap();
+    match net {
+        dspark_drafter_models::DrafterNet::Block(m) => std::sync::Arc::new(m),
+        dspark_drafter_models::DrafterNet::Eagle3(_) => {
+            panic!("the shipped DSpark drafter is a block drafter")
+        }
+    }
+}
