@@ -3,6 +3,7 @@
 # after an interruption, or in the next session, and every stage continues where it stopped
 # (answers and features already on disk are kept; training resumes from its last checkpoint).
 # Usage: scripts/train_qwen_drafter.sh [SAMPLES] [STEPS] [METHOD]   METHOD: dspark-markov | dflash
+# SAMPLES counts code prompts tried; prompts too long for the 512-token window are skipped.
 # Work files and runs go to $DSPARK_HOME/train (default ~/.cache/dspark/train).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,12 +16,14 @@ mkdir -p "$W"
 cargo build --release
 D=target/release/dspark
 
-# 1. Code prompts from ShareGPT (disjoint from every benchmark), answered by the target itself.
+# 1. Code prompts from ShareGPT (disjoint from every benchmark), answered by the target itself;
+#    the target's features (five layers + final norm, f16: ~18 KB per token) are captured in the
+#    same pass.
 [ -f "$W/code-prompts.jsonl" ] || $D data prompts --topic code --out "$W/code-prompts.jsonl"
 $D data regenerate -m $T --prompts "$W/code-prompts.jsonl" --out "$W/qwen-code-regen.jsonl" \
-    --n "$SAMPLES" --max-tokens 384 --batch 32
-# 2. The target's features (five layers + final norm, f16: ~18 KB per token).
-$D data features -m $T --data "$W/qwen-code-regen.jsonl" --out "$W/qwen-features" --max-len 512 --n "$SAMPLES"
+    --n "$SAMPLES" --max-tokens 384 --batch 32 --features "$W/qwen-features" --max-len 512
+# 2. Features of answers regenerated without --features (earlier runs of this script).
+$D data features -m $T --data "$W/qwen-code-regen.jsonl" --out "$W/qwen-features" --max-len 512
 
 # 3. One draft layer with a 4 096-wide MLP (bf16 checkpoint < 80 MB), γ 7, 8 192-token draft
 #    vocabulary, 64 anchored blocks per sequence.
@@ -30,7 +33,7 @@ case $METHOD in
   *) echo "METHOD must be dspark-markov or dflash" >&2; exit 2 ;;
 esac
 out="$W/qwen-run-$METHOD"
-common=(--target $T --data "$W/qwen-code-regen.jsonl" --features "$W/qwen-features" --n "$SAMPLES"
+common=(--target $T --data "$W/qwen-code-regen.jsonl" --features "$W/qwen-features"
         --block 7 --layers 1 --intermediate 4096 --draft-vocab 8192 --vocab-from "$W/qwen-code-regen.jsonl"
         --markov-rank 32 --max-len 512 --batch 4 --anchors 64 --steps "$STEPS" --checkpoint-every 50)
 if [ -d "$out/checkpoints" ]; then

@@ -64,6 +64,18 @@ pub enum DataCmd {
         /// The model name to send to the endpoint.
         #[arg(long, default_value = "default")]
         served_model: String,
+        /// Also capture the target's features of every generated token into this cache
+        /// (what `dspark data features` computes, at no extra target pass). Answers then end
+        /// at --max-len tokens in all, and prompts leaving fewer than 32 answer tokens within
+        /// them are skipped: training sees no more.
+        #[arg(long, conflicts_with = "endpoint")]
+        features: Option<PathBuf>,
+        /// With --features: target layers to keep (default: DFlash's five-layer spread).
+        #[arg(long, value_delimiter = ',', requires = "features")]
+        layers: Option<Vec<usize>>,
+        /// With --features: tokens per sample (match `dspark train --max-len`).
+        #[arg(long, default_value_t = 512)]
+        max_len: usize,
     },
     /// Precompute the target's features of regenerated samples for training: the hidden states
     /// of the tapped layers and the final norm at every position, f16, memory-mapped by
@@ -136,6 +148,9 @@ pub fn run(cmd: DataCmd) -> Result<()> {
             let m = model.load()?;
             let layers =
                 layers.unwrap_or_else(|| dspark_drafter_models::default_target_layers(m.config.n_layers, 5));
+            if let Some(&l) = layers.iter().find(|&&l| l >= m.config.n_layers) {
+                bail!("--layers: the target has {} layers; {l} is not one of them", m.config.n_layers);
+            }
             let mut samples = data::read_samples(&path)?;
             if let Some(n) = n {
                 samples.truncate(n);
@@ -157,11 +172,42 @@ pub fn run(cmd: DataCmd) -> Result<()> {
             })?;
             bar.finish();
         }
-        DataCmd::Regenerate { model, prompts, out, n, max_tokens, batch, seed, endpoint, served_model } => {
+        DataCmd::Regenerate {
+            model,
+            prompts,
+            out,
+            n,
+            max_tokens,
+            batch,
+            seed,
+            endpoint,
+            served_model,
+            features,
+            layers,
+            max_len,
+        } => {
             if batch == 0 || max_tokens == 0 {
                 bail!("--batch and --max-tokens must be at least 1");
             }
+            if max_len < 64 {
+                bail!("--max-len must be at least 64 tokens");
+            }
             let m = model.load()?;
+            let mut writer = match &features {
+                Some(dir) => {
+                    let layers = layers.unwrap_or_else(|| {
+                        dspark_drafter_models::default_target_layers(m.config.n_layers, 5)
+                    });
+                    if let Some(&l) = layers.iter().find(|&&l| l >= m.config.n_layers) {
+                        bail!(
+                            "--layers: the target has {} layers; {l} is not one of them",
+                            m.config.n_layers
+                        );
+                    }
+                    Some(dspark_train::features::FeatureWriter::open(dir, m.config.hidden, &layers, max_len)?)
+                }
+                None => None,
+            };
             let mut texts = crate::bench::read_prompts(&prompts, usize::MAX)?;
             if let Some(n) = n {
                 texts.truncate(n);
@@ -176,7 +222,7 @@ pub fn run(cmd: DataCmd) -> Result<()> {
                 Some(url) => {
                     data::regenerate_remote(&m, url, &served_model, &texts, &out, max_tokens, batch, &p, on)?
                 }
-                None => data::regenerate(&m, &texts, &out, max_tokens, batch, seed, &p, on)?,
+                None => data::regenerate(&m, &texts, &out, max_tokens, batch, seed, &p, writer.as_mut(), on)?,
             };
             bar.finish();
             eprintln!("wrote {written} answers to {}", out.display());

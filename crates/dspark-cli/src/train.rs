@@ -21,8 +21,9 @@ pub struct TrainArgs {
     /// Regenerated samples (`dspark data regenerate`).
     #[arg(long)]
     data: PathBuf,
-    /// Precomputed target features (`dspark data features`); samples not in it are computed on
-    /// the fly.
+    /// Precomputed target features (`dspark data features`, or `dspark data regenerate
+    /// --features`); training then uses only the samples in it. Without it, every sample's
+    /// features are computed by a target forward each time it is drawn.
     #[arg(long)]
     features: Option<PathBuf>,
     /// Output folder: the drafter checkpoint, optimiser state and train_log.jsonl.
@@ -86,6 +87,24 @@ pub fn run(a: TrainArgs) -> Result<()> {
     if let Some(n) = a.n {
         data.truncate(n);
     }
+    let cache = match &a.features {
+        Some(f) => {
+            let c = dspark_train::features::FeatureCache::open(f).with_context(|| {
+                format!("opening the feature cache {} (`dspark data features`)", f.display())
+            })?;
+            // A sample outside the cache would cost a target forward every time it is drawn.
+            let before = data.len();
+            data.retain(|s| c.contains(s.index));
+            if data.len() < before {
+                eprintln!(
+                    "{} of {before} samples have cached features; training on those (`dspark data features` computes the rest)",
+                    data.len()
+                );
+            }
+            Some(c)
+        }
+        None => None,
+    };
     let init = match (&a.init, a.resume) {
         (_, true) => a.out.clone(),
         (Some(p), false) => p.clone(),
@@ -112,9 +131,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         ..Default::default()
     };
     let mut t = Trainer::new(target, &name, &init, data, cfg, &a.out, a.resume)?;
-    if let Some(f) = &a.features {
-        t.cache = Some(dspark_train::features::FeatureCache::open(f)?);
-    }
+    t.cache = cache;
     // SAFETY: the handler only stores to an atomic.
     unsafe {
         libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t);

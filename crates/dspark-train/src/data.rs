@@ -267,15 +267,26 @@ struct Active {
     index: usize,
     tokens: Vec<u32>,
     prompt_len: usize,
+    /// Most answer tokens this sequence may have.
+    limit: usize,
     cache: KvCache,
     rng: Sampler,
     next: u32,
+    /// Captured features of the tokens forwarded so far (`FeatureWriter`'s row encoding).
+    feats: Vec<u8>,
+    /// At its limit: one more forward captures its last token's row, then it is written.
+    closing: bool,
 }
 
 /// Answers `prompts` with the target, `batch` sequences per forward, appending each finished
 /// sample to `out` (prompts already there are skipped, so an interrupted run resumes). Each
 /// prompt's sampler is seeded by its index, and rows do not depend on their batch, so the
 /// result is the same whatever the batch size and however often the run was interrupted.
+///
+/// With `features`, the target's features of every token are captured while it is generated
+/// and appended to that cache before the sample is written: one target pass for both stages.
+/// Answers then stop at the cache's length (`max_len` tokens in all) and prompts that leave
+/// fewer than 32 answer tokens within it are skipped, since training sees no more than that.
 #[allow(clippy::too_many_arguments)]
 pub fn regenerate(
     model: &Model,
@@ -285,6 +296,7 @@ pub fn regenerate(
     batch: usize,
     seed: u64,
     params: &SamplingParams,
+    mut features: Option<&mut crate::features::FeatureWriter>,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<usize> {
     let done: HashSet<usize> =
@@ -304,6 +316,12 @@ pub fn regenerate(
         .map_err(|e| TrainError::io(out, e))?;
     let todo: Vec<usize> = (0..prompts.len()).filter(|i| !done.contains(i)).collect();
     let stops = model.tokenizer.eos().to_vec();
+    let tap = match &features {
+        Some(w) => TapSpec { layers: w.layers().to_vec(), final_norm: true },
+        None => TapSpec::default(),
+    };
+    let window = features.as_ref().map(|w| w.max_len());
+    let d = model.config.hidden;
     let mut queue = todo.into_iter();
     let mut active: Vec<Active> = Vec::new();
     let (mut written, total) = (0usize, prompts.len());
@@ -316,11 +334,45 @@ pub fn regenerate(
             if toks.len() > limit || toks.is_empty() {
                 toks.truncate(limit.max(1));
             }
-            let mut cache = model.new_cache(toks.len() + max_tokens + 1);
-            let logits = dspark_decode::prefill(model, &mut cache, &toks)?;
+            if toks.is_empty() {
+                return Err(TrainError::Data(format!("prompt {i} is empty after the chat template")));
+            }
+            let answer_limit = match window {
+                Some(w) if toks.len() + 32 > w => {
+                    finished += 1;
+                    progress(finished, total);
+                    continue;
+                }
+                Some(w) => max_tokens.min(w - toks.len()),
+                None => max_tokens,
+            };
+            let mut cache = model.new_cache(toks.len() + answer_limit + 1);
+            let mut feats = Vec::new();
+            let mut logits = Vec::new();
+            for chunk in toks.chunks(dspark_decode::PREFILL_CHUNK) {
+                let mut seq = SeqInput::logits_last(&mut cache, chunk);
+                if window.is_some() {
+                    seq.tap_rows = (0..chunk.len()).collect();
+                }
+                let o = model.forward(&mut [seq], &tap)?.swap_remove(0);
+                if let Some(fin) = &o.final_norm {
+                    crate::features::encode_rows(&o.taps, fin, d, 0..chunk.len(), &mut feats);
+                }
+                logits = o.logits;
+            }
             let mut rng = Sampler::new(seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
             let next = rng.sample(&logits, params);
-            active.push(Active { index: i, prompt_len: toks.len(), tokens: toks, cache, rng, next });
+            active.push(Active {
+                index: i,
+                prompt_len: toks.len(),
+                tokens: toks,
+                limit: answer_limit,
+                cache,
+                rng,
+                next,
+                feats,
+                closing: false,
+            });
         }
         if active.is_empty() {
             break;
@@ -328,32 +380,62 @@ pub fn regenerate(
         // Commit each sequence's sampled token; finished ones are written out.
         let mut still = Vec::new();
         for mut a in active.drain(..) {
-            let stop = stops.contains(&a.next);
+            let stop = a.closing || stops.contains(&a.next);
             if !stop {
                 a.tokens.push(a.next);
+                if a.tokens.len() - a.prompt_len >= a.limit {
+                    if window.is_some() {
+                        a.closing = true;
+                        still.push(a);
+                        continue;
+                    }
+                } else {
+                    still.push(a);
+                    continue;
+                }
             }
-            if stop || a.tokens.len() - a.prompt_len >= max_tokens {
-                let s = Sample { index: a.index, tokens: a.tokens, prompt_len: a.prompt_len };
-                writeln!(file, "{}", serde_json::to_string(&s).expect("sample serialises"))
-                    .map_err(|e| TrainError::io(out, e))?;
-                file.flush().map_err(|e| TrainError::io(out, e))?;
-                written += 1;
-                finished += 1;
-                progress(finished, total);
-            } else {
-                still.push(a);
+            if let Some(w) = features.as_deref_mut() {
+                if !w.contains(a.index) {
+                    w.append(a.index, &a.feats)?;
+                }
+                // The sample line must never point at features that are not on disk.
+                w.flush()?;
             }
+            let s = Sample { index: a.index, tokens: a.tokens, prompt_len: a.prompt_len };
+            writeln!(file, "{}", serde_json::to_string(&s).expect("sample serialises"))
+                .map_err(|e| TrainError::io(out, e))?;
+            file.flush().map_err(|e| TrainError::io(out, e))?;
+            written += 1;
+            finished += 1;
+            progress(finished, total);
         }
         active = still;
         if active.is_empty() {
             continue;
         }
         let toks: Vec<[u32; 1]> = active.iter().map(|a| [a.next]).collect();
-        let mut seqs: Vec<SeqInput> =
-            active.iter_mut().zip(&toks).map(|(a, t)| SeqInput::logits_last(&mut a.cache, t)).collect();
-        let outs = model.forward(&mut seqs, &TapSpec::default())?;
+        let mut seqs: Vec<SeqInput> = active
+            .iter_mut()
+            .zip(&toks)
+            .map(|(a, t)| {
+                let mut s = SeqInput::logits_last(&mut a.cache, t);
+                if a.closing {
+                    s.logit_rows.clear();
+                }
+                if window.is_some() {
+                    s.tap_rows = vec![0];
+                }
+                s
+            })
+            .collect();
+        let outs = model.forward(&mut seqs, &tap)?;
         for (a, o) in active.iter_mut().zip(outs) {
-            a.next = a.rng.sample(&o.logits, params);
+            if let Some(fin) = &o.final_norm {
+                crate::features::encode_rows(&o.taps, fin, d, 0..1, &mut a.feats);
+            }
+            if !a.closing {
+                a.next = a.rng.sample(&o.logits, params);
+            }
         }
     }
     Ok(written)

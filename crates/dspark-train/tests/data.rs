@@ -44,13 +44,13 @@ fn regeneration_is_the_same_for_any_batch_size_and_after_an_interruption() {
         ["a b c", "d e", "f g h i", "j", "k l m"].iter().map(|s| s.to_string()).collect();
     let p = regen_sampling();
     let one = dir.path().join("one.jsonl");
-    regenerate(&m, &prompts, &one, 12, 1, 5, &p, |_, _| {}).unwrap();
+    regenerate(&m, &prompts, &one, 12, 1, 5, &p, None, |_, _| {}).unwrap();
     let four = dir.path().join("four.jsonl");
     // Interrupted: only the first two prompts, and a half-written line left behind.
-    regenerate(&m, &prompts[..2], &four, 12, 4, 5, &p, |_, _| {}).unwrap();
+    regenerate(&m, &prompts[..2], &four, 12, 4, 5, &p, None, |_, _| {}).unwrap();
     let mut f = std::fs::OpenOptions::new().append(true).open(&four).unwrap();
     std::io::Write::write_all(&mut f, b"{\"index\": 2, \"tok").unwrap();
-    let n = regenerate(&m, &prompts, &four, 12, 4, 5, &p, |_, _| {}).unwrap();
+    let n = regenerate(&m, &prompts, &four, 12, 4, 5, &p, None, |_, _| {}).unwrap();
     assert_eq!(n, 3, "only the missing prompts are answered");
     let sorted = |path| {
         let mut v = read_samples(path).unwrap();
@@ -61,6 +61,43 @@ fn regeneration_is_the_same_for_any_batch_size_and_after_an_interruption() {
     assert_eq!(a.len(), 5);
     assert_eq!(a, b);
     assert!(a.iter().all(|(_, toks, pl)| toks.len() > *pl), "every prompt got an answer");
+}
+
+#[test]
+fn features_captured_while_regenerating_are_the_features_of_a_prefill() {
+    use dspark_train::features::{build, FeatureCache, FeatureWriter};
+    let dir = tempfile::tempdir().unwrap();
+    let t = Tiny { family: "llama", hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, layers: 2, ffn: 96 };
+    write_hf(dir.path(), &t, &weights(&t, 9));
+    let m = Model::load(dir.path()).unwrap();
+    // The last prompt leaves too little room within the 40-token window and is skipped.
+    let long = (0..30).map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ");
+    let prompts: Vec<String> =
+        ["a b c", "d e", "f g h i", long.as_str()].iter().map(|s| s.to_string()).collect();
+    let (layers, window) = ([0usize, 1], 40);
+    let captured = dir.path().join("captured");
+    let out = dir.path().join("regen.jsonl");
+    let mut w = FeatureWriter::open(&captured, 64, &layers, window).unwrap();
+    let n = regenerate(&m, &prompts, &out, 64, 3, 5, &regen_sampling(), Some(&mut w), |_, _| {}).unwrap();
+    drop(w);
+    let samples = read_samples(&out).unwrap();
+    assert_eq!(n, 3, "the over-long prompt is skipped");
+    assert!(samples.iter().all(|s| s.tokens.len() <= window), "answers stop at the window");
+    assert!(
+        samples.iter().any(|s| s.tokens.len() == window),
+        "some answer reaches it: the closing row is captured"
+    );
+    let prefilled = dir.path().join("prefilled");
+    build(&m, &samples, &layers, window, &prefilled, |_, _| {}).unwrap();
+    let (a, b) = (FeatureCache::open(&captured).unwrap(), FeatureCache::open(&prefilled).unwrap());
+    for s in &samples {
+        let len = s.tokens.len();
+        let (fa, na) = a.get(s.index, &layers, len).unwrap().expect("captured every row");
+        let (fb, nb) = b.get(s.index, &layers, len).unwrap().expect("built");
+        let flat = |t: candle_core::Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(flat(fa), flat(fb), "sample {}: tapped layers", s.index);
+        assert_eq!(flat(na), flat(nb), "sample {}: final norm", s.index);
+    }
 }
 
 /// A minimal OpenAI-compatible server on loopback: answers every chat request with `reply`
