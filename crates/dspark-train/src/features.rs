@@ -89,7 +89,7 @@ impl FeatureWriter {
     /// Appends sample `index`: `bytes` holds its rows as [`encode_rows`] writes them.
     pub fn append(&mut self, index: usize, bytes: &[u8]) -> Result<()> {
         let row_bytes = per_row(&self.ix) * 2;
-        if bytes.len() % row_bytes != 0 || self.have.contains(&index) {
+        if !bytes.len().is_multiple_of(row_bytes) || self.have.contains(&index) {
             return Err(TrainError::Data(format!("features of sample {index}: malformed or already cached")));
         }
         let rows = bytes.len() / row_bytes;
