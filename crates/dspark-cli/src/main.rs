@@ -15,6 +15,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use dspark_decode::{generate, GenerateParams};
 use dspark_drafter_models::{BlockLayout, InitOptions, Method};
+use dspark_drafters::DrafterSpec;
 use dspark_drafters::{DraftModel, NgramDrafter};
 use dspark_model::Model;
 use dspark_sampling::SamplingParams;
@@ -187,42 +188,35 @@ impl DrafterArgs {
             bail!("--min-survival must be between 0 and 1 (got {})", self.min_survival);
         }
         let gamma = self.draft_len.unwrap_or(3);
-        if self.drafter == "auto" {
-            // Prompt lookup wherever it matches, the shipped DSpark drafter while it pays.
-            let (model, block) = match shipped_drafter(target_name) {
-                Some(dir) => {
-                    let d = dspark_drafters::load_network_drafter(
-                        Method::Dspark,
-                        &dir,
-                        target.clone(),
-                        target_name,
-                    )?;
-                    (Some(d), dspark_drafter_models::read_config(&dir)?.gamma())
-                }
-                None => (None, gamma),
-            };
-            let auto = dspark_drafters::AutoDrafter::new(model, gamma);
-            return Ok(Some((Box::new(auto), self.draft_len.unwrap_or(block.max(gamma)))));
-        }
-        let spec = self.drafter.clone();
-        let (kind, arg) = spec.split_once(':').unwrap_or((spec.as_str(), ""));
-        Ok(match kind {
-            "none" => None,
-            "ngram" => Some((Box::new(NgramDrafter::default()), gamma)),
-            "draft" => {
-                let model = ModelArg { model: arg.to_string() }.load()?;
-                Some((Box::new(DraftModel::new(model, arg, target)?), gamma))
+        Ok(match self.drafter.parse::<DrafterSpec>()? {
+            DrafterSpec::Auto => {
+                // Prompt lookup wherever it matches, the shipped DSpark drafter while it pays.
+                let (model, block) = match shipped_drafter(target_name) {
+                    Some(dir) => {
+                        let d = dspark_drafters::load_network_drafter(
+                            Method::Dspark,
+                            &dir,
+                            target.clone(),
+                            target_name,
+                        )?;
+                        (Some(d), dspark_drafter_models::read_config(&dir)?.gamma())
+                    }
+                    None => (None, gamma),
+                };
+                let auto = dspark_drafters::AutoDrafter::new(model, gamma);
+                Some((Box::new(auto), self.draft_len.unwrap_or(block.max(gamma))))
             }
-            "dflash" | "dspark" | "eagle3" => {
-                let method: Method = kind.parse()?;
-                let dir = std::path::Path::new(arg);
-                let d = dspark_drafters::load_network_drafter(method, dir, target.clone(), target_name)?;
-                let block = dspark_drafter_models::read_config(dir)?.gamma();
+            DrafterSpec::None => None,
+            DrafterSpec::Ngram => Some((Box::new(NgramDrafter::default()), gamma)),
+            DrafterSpec::DraftModel(name) => {
+                let model = ModelArg { model: name.clone() }.load()?;
+                Some((Box::new(DraftModel::new(model, &name, target)?), gamma))
+            }
+            DrafterSpec::Network(method, dir) => {
+                let d = dspark_drafters::load_network_drafter(method, &dir, target.clone(), target_name)?;
+                let block = dspark_drafter_models::read_config(&dir)?.gamma();
                 Some((d, self.draft_len.unwrap_or(block)))
             }
-            other => bail!(
-                "unknown drafter `{other}`; use none, ngram, draft:MODEL, dspark:PATH, dflash:PATH or eagle3:PATH"
-            ),
         })
     }
 }

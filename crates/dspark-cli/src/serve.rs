@@ -3,46 +3,80 @@
 use crate::ModelArg;
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use dspark_drafter_models::{BlockModel, DrafterNet};
-use dspark_engine::{EngineConfig, EngineHandle};
+use dspark_drafter_models::{DrafterNet, Method};
+use dspark_drafters::DrafterSpec;
+use dspark_engine::{EngineConfig, EngineDrafter, EngineHandle};
 use dspark_model::Model;
 use dspark_schedule::{CostTable, Policy};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 #[derive(Args, Clone)]
 pub struct ServeDrafter {
-    /// `auto` (the DSpark drafter shipped in drafters/ for this model, else none), `none`, or a
-    /// checkpoint folder as `dspark:PATH` / `dflash:PATH`. The engine drafts for all running
-    /// requests in one batched pass, which these block drafters support.
+    /// `auto` (the DSpark drafter shipped in drafters/ for this model, else none), `none`, a
+    /// checkpoint folder as `dspark:PATH`, `dflash:PATH` or `eagle3:PATH`, `ngram` (prompt
+    /// lookup) or `draft:MODEL` (a small model with the same tokenizer). DSpark and DFlash draft
+    /// for all running requests in one batched pass; the others draft request by request.
     #[arg(long, default_value = "auto")]
     pub drafter: String,
+    /// γ: the most drafts per request per step (default: the drafter's block, or 3 for prompt
+    /// lookup and draft models).
+    #[arg(long)]
+    pub draft_len: Option<usize>,
 }
 
+/// The engine's drafter, its display name and its γ.
+pub type LoadedDrafter = Option<(EngineDrafter, String, usize)>;
+
 impl ServeDrafter {
-    /// The drafter network and its display name; `None` for plain decoding.
-    pub fn load(&self, target: &Arc<Model>, target_name: &str) -> Result<Option<(Arc<BlockModel>, String)>> {
-        let spec = match (self.drafter.as_str(), crate::shipped_drafter(target_name)) {
-            ("auto", Some(dir)) => format!("dspark:{}", dir.display()),
-            ("auto", None) | ("none", _) => return Ok(None),
-            (s, _) => s.to_string(),
+    /// The drafter; `None` for plain decoding.
+    pub fn load(&self, target: &Arc<Model>, target_name: &str) -> Result<LoadedDrafter> {
+        if self.draft_len == Some(0) {
+            bail!("--draft-len must be at least 1; use --drafter none for plain decoding");
+        }
+        let spec = match self.drafter.parse::<DrafterSpec>()? {
+            DrafterSpec::Auto => match crate::shipped_drafter(target_name) {
+                Some(dir) => DrafterSpec::Network(Method::Dspark, dir),
+                None => return Ok(None),
+            },
+            other => other,
         };
-        let Some((kind, dir)) = spec.split_once(':').filter(|(k, _)| matches!(*k, "dspark" | "dflash"))
-        else {
-            bail!("the server drafts with dspark:PATH or dflash:PATH checkpoints (or none); got `{spec}`");
-        };
-        let dir = Path::new(dir);
-        let mut net = dspark_drafter_models::load(dir, target.clone(), target_name)
-            .with_context(|| format!("loading drafter {}", dir.display()))?;
-        net.quantize_for_inference()?;
-        let name = format!(
-            "{kind}:{}",
-            dir.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default()
-        );
-        match net {
-            DrafterNet::Block(m) => Ok(Some((Arc::new(m), name))),
-            DrafterNet::Eagle3(_) => {
-                bail!("{} is an EAGLE-3 drafter; the server needs a dspark: or dflash: one", dir.display())
+        match spec {
+            DrafterSpec::None => Ok(None),
+            DrafterSpec::Network(method @ (Method::Dspark | Method::Dflash), dir) => {
+                let mut net = dspark_drafter_models::load(&dir, target.clone(), target_name)
+                    .with_context(|| format!("loading drafter {}", dir.display()))?;
+                net.quantize_for_inference()?;
+                if net.method() != method {
+                    bail!(
+                        "{} is a {} drafter; use --drafter {}:{}",
+                        dir.display(),
+                        net.method(),
+                        net.method(),
+                        dir.display()
+                    );
+                }
+                let name = format!(
+                    "{method}:{}",
+                    dir.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default()
+                );
+                match net {
+                    DrafterNet::Block(m) => {
+                        let gamma = self.draft_len.unwrap_or(m.gamma()).min(m.gamma());
+                        Ok(Some((EngineDrafter::Block(Arc::new(m)), name, gamma)))
+                    }
+                    DrafterNet::Eagle3(_) => unreachable!("the method was checked"),
+                }
+            }
+            _ => {
+                let args = crate::DrafterArgs {
+                    drafter: self.drafter.clone(),
+                    draft_len: self.draft_len,
+                    min_survival: 0.0,
+                };
+                let (d, gamma) = args.build(target, target_name)?.expect("not plain decoding");
+                let name = d.name();
+                Ok(Some((EngineDrafter::Each(d), name, gamma)))
             }
         }
     }
@@ -65,19 +99,19 @@ pub struct ProfileArgs {
 pub fn run_profile(a: ProfileArgs) -> Result<()> {
     let target = Arc::new(a.model.load()?);
     let drafter = a.drafter.load(&target, &a.model.name())?;
-    let t = measure(&target, &a.model.name(), drafter.as_ref(), a.reps)?;
+    let t = measure(&target, &a.model.name(), &drafter, a.reps)?;
     t.save(&a.out).with_context(|| format!("writing {}", a.out.display()))?;
     eprintln!("wrote {}", a.out.display());
     Ok(())
 }
 
-fn measure(
-    target: &Model,
-    name: &str,
-    drafter: Option<&(Arc<BlockModel>, String)>,
-    reps: usize,
-) -> Result<CostTable> {
-    let d = drafter.map(|(m, n)| (m.as_ref(), n.as_str()));
+fn measure(target: &Model, name: &str, drafter: &LoadedDrafter, reps: usize) -> Result<CostTable> {
+    // Drafting cost is profiled for the batched block drafters, whose rounds the dspark policies
+    // weigh; the others are verified by the fixed policy, which needs no drafting cost.
+    let d = match drafter {
+        Some((EngineDrafter::Block(m), n, _)) => Some((m.as_ref(), n.as_str())),
+        _ => None,
+    };
     let t = dspark_engine::profile(target, name, d, reps, |line| eprintln!("  {line}"))?;
     let one = t.forward_s(1);
     eprintln!(
@@ -97,9 +131,6 @@ fn measure(
 pub struct EngineArgs {
     #[command(flatten)]
     pub drafter: ServeDrafter,
-    /// γ: the most drafts per request per step (default: the drafter's block).
-    #[arg(long)]
-    pub draft_len: Option<usize>,
     /// A cost table from `dspark profile`; without one the server profiles at start.
     #[arg(long)]
     pub profile: Option<PathBuf>,
@@ -122,8 +153,6 @@ pub struct EngineArgs {
     #[arg(long)]
     pub no_online_calibration: bool,
 }
-
-pub type LoadedDrafter = Option<(Arc<BlockModel>, String)>;
 
 impl EngineArgs {
     /// The cost table: loaded from --profile, or measured now.
@@ -151,7 +180,7 @@ impl EngineArgs {
                     "cost table: profiling {target_name} at start (save one with `dspark profile --out FILE` \
                      and pass --profile FILE to skip)"
                 );
-                let t = measure(target, target_name, drafter.as_ref(), 3)?;
+                let t = measure(target, target_name, drafter, 3)?;
                 eprintln!("cost table: profiled in {:.1} s", t0.elapsed().as_secs_f64());
                 Ok(t)
             }
@@ -172,18 +201,24 @@ impl EngineArgs {
         if self.kv_tokens == 0 || self.max_running == 0 {
             bail!("--kv-tokens and --max-running must be at least 1");
         }
-        let gamma = drafter.as_ref().map_or(0, |(d, _)| d.gamma());
+        let gamma = drafter.as_ref().map_or(0, |d| d.2);
         let config = EngineConfig {
             policy,
             cost,
-            draft_len: self.draft_len.unwrap_or(gamma),
+            draft_len: gamma,
             max_running: self.max_running,
             max_queue: self.max_queue,
             kv_tokens: self.kv_tokens,
             prefill_chunk: self.prefill_chunk.max(1),
             online_calibration: !self.no_online_calibration,
         };
-        Ok(dspark_engine::spawn(target, drafter.as_ref().map(|(d, _)| d.clone()), config)?)
+        let drafter = match drafter {
+            Some((d, name, _)) => {
+                Some(d.try_clone().with_context(|| format!("drafter {name} cannot serve several requests"))?)
+            }
+            None => None,
+        };
+        Ok(dspark_engine::spawn(target, drafter, config)?)
     }
 }
 
@@ -196,9 +231,10 @@ pub struct ServeArgs {
     /// Verification policy: plain (no drafting), fixed (verify all γ drafts), threshold[:P]
     /// (verify while predicted prefix survival ≥ P, default 0.3), dspark (Algorithm 1 over all
     /// running requests against the profiled cost table), dspark-async (budget from confidences
-    /// two steps back, top-K admission).
-    #[arg(long, default_value = "dspark")]
-    pub policy: String,
+    /// two steps back, top-K admission). Default: dspark for a drafter with a confidence head
+    /// (DSpark), fixed for the others.
+    #[arg(long)]
+    pub policy: Option<String>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -216,16 +252,24 @@ pub struct ServeArgs {
 pub fn run_serve(a: ServeArgs) -> Result<()> {
     let target = Arc::new(a.model.load()?);
     let name = a.model.name();
-    let mut policy: Policy = a.policy.parse()?;
-    let drafter = if policy.drafts() { a.engine.drafter.load(&target, &name)? } else { None };
-    if drafter.is_none() && policy.drafts() && a.engine.drafter.drafter == "auto" {
-        // The default command should serve any model; speculation needs a drafter for it.
-        eprintln!("no drafter is shipped for {name}: serving with --policy plain (pass --drafter dspark:DIR to speculate)");
-        policy = Policy::Plain;
-    }
+    let asked: Option<Policy> = a.policy.as_deref().map(str::parse).transpose()?;
+    let drafter =
+        if asked.is_none_or(|p| p.drafts()) { a.engine.drafter.load(&target, &name)? } else { None };
+    let policy = match (asked, &drafter) {
+        (Some(p), _) => p,
+        (None, Some((d, _, _))) if d.has_confidence() => Policy::Dspark,
+        (None, Some(_)) => Policy::Fixed,
+        (None, None) => {
+            if a.engine.drafter.drafter == "auto" {
+                // The default command should serve any model; speculation needs a drafter for it.
+                eprintln!("no drafter is shipped for {name}: serving with --policy plain (pass --drafter to speculate)");
+            }
+            Policy::Plain
+        }
+    };
     let cost = a.engine.cost_table(&target, &name, &drafter)?;
     let engine = a.engine.spawn(policy, target, &drafter, cost)?;
-    let drafter = drafter.map(|(_, n)| n);
+    let drafter = drafter.map(|(_, n, _)| n);
     let api_key =
         a.api_key.clone().or_else(|| std::env::var("DSPARK_API_KEY").ok()).filter(|k| !k.is_empty());
     let state = Arc::new(

@@ -248,7 +248,12 @@ fn the_serving_engine_with_public_drafters_on_a_qwen3_gguf_equals_plain_greedy()
         ("tuned Markov", tuned.path().to_path_buf(), Policy::Fixed),
     ] {
         let mut accepted = 0;
-        let engine = dspark_engine::spawn(t.clone(), Some(block(&dir, &t)), engine_config(policy)).unwrap();
+        let engine = dspark_engine::spawn(
+            t.clone(),
+            Some(dspark_engine::EngineDrafter::Block(block(&dir, &t))),
+            engine_config(policy),
+        )
+        .unwrap();
         let receivers: Vec<_> = prompts
             .iter()
             .map(|p| {

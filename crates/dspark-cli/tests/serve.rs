@@ -393,16 +393,72 @@ fn the_official_openai_python_client_works() {
 /// target's own distributions (χ²).
 #[test]
 fn batched_sampled_requests_follow_the_target_distribution() {
+    let t = target();
+    let accepted = check_target_distribution(
+        &t,
+        common::shipped_block_drafter(&t),
+        config(Policy::Dspark),
+        "The weather today is",
+        2400,
+    );
+    assert!(accepted > 240 && accepted < 2400, "both accept and reject paths ran ({accepted} accepted)");
+}
+
+/// The same for the drafters served request by request: prompt lookup on a prompt it finds
+/// matches in, the target drafting for itself (drafts from the target's own distribution: the
+/// accept path), and a random EAGLE-3 drafter (almost always rejected: the residual path).
+#[test]
+fn every_drafter_keeps_the_target_distribution_when_served() {
+    let t = target();
+    let fixed = EngineConfig { draft_len: 3, ..config(Policy::Fixed) };
+    for (name, prompt, d) in [
+        ("ngram", "hello hello hello hello hello hello", per_request_drafter(&t, "ngram")),
+        ("draft", "The weather today is", per_request_drafter(&t, "draft")),
+        ("eagle3", "The weather today is", per_request_drafter(&t, "eagle3")),
+    ] {
+        eprintln!("{name}:");
+        let accepted = check_target_distribution(&t, d, fixed.clone(), prompt, 1200);
+        if name != "eagle3" {
+            assert!(accepted > 120, "{name}: drafts were accepted ({accepted})");
+        }
+    }
+}
+
+/// The drafters the engine serves one request at a time, as `--drafter` builds them.
+fn per_request_drafter(t: &Arc<Model>, kind: &str) -> dspark_engine::EngineDrafter {
+    use dspark_drafter_models::{InitOptions, Method};
+    let d: Box<dyn dspark_spec::Drafter> = match kind {
+        "ngram" => Box::new(dspark_drafters::NgramDrafter::default()),
+        "draft" => Box::new(
+            dspark_drafters::DraftModel::new(Model::load(&common::model(MODEL)).unwrap(), "self", t).unwrap(),
+        ),
+        "eagle3" => {
+            let o = InitOptions { method: Method::Eagle3, gamma: 3, ..Default::default() };
+            let mut net = dspark_drafter_models::init(t.clone(), MODEL, &o).unwrap();
+            net.quantize_for_inference().unwrap();
+            Box::new(dspark_drafters::Eagle3Drafter::from_net(net, "eagle3").unwrap())
+        }
+        other => unreachable!("{other}"),
+    };
+    dspark_engine::EngineDrafter::Each(d)
+}
+
+/// Submits `n` sampled two-token requests sharing `prompt` and checks the first committed token,
+/// and the second given the most common first, against the target's distributions (χ²).
+/// Returns the drafts accepted.
+fn check_target_distribution(
+    t: &Arc<Model>,
+    drafter: dspark_engine::EngineDrafter,
+    config: EngineConfig,
+    prompt: &str,
+    n: usize,
+) -> usize {
     use dspark_engine::{Event, Request, RequestParams};
     use dspark_model::{SeqInput, TapSpec};
     use dspark_sampling::SamplingParams;
-    let t = target();
-    let engine =
-        dspark_engine::spawn(t.clone(), Some(common::shipped_block_drafter(&t)), config(Policy::Dspark))
-            .unwrap();
-    let prompt = t.tokenizer.encode("The weather today is", true).unwrap();
+    let engine = dspark_engine::spawn(t.clone(), Some(drafter), config).unwrap();
+    let prompt = t.tokenizer.encode(prompt, true).unwrap();
     let sampling = SamplingParams { temperature: 1.0, top_k: Some(40), top_p: None };
-    let n = 2400;
     let receivers: Vec<_> = (0..n)
         .map(|i| {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
@@ -434,7 +490,6 @@ fn batched_sampled_requests_follow_the_target_distribution() {
         assert_eq!(toks.len(), 2);
         pairs.push((toks[0], toks[1]));
     }
-    assert!(accepted > n / 10 && accepted < n, "both accept and reject paths ran ({accepted} accepted)");
     let dist = |ctx: &[u32]| {
         let mut cache = t.new_cache(ctx.len());
         let out = t.forward(&mut [SeqInput::logits_last(&mut cache, ctx)], &TapSpec::default()).unwrap();
@@ -455,6 +510,39 @@ fn batched_sampled_requests_follow_the_target_distribution() {
     let ctx: Vec<u32> = prompt.iter().copied().chain([mode]).collect();
     common::chi2_check(&second, &dist(&ctx), seconds.len(), "second token given the first");
     engine.shutdown();
+    accepted
+}
+
+/// Greedy requests served concurrently with each per-request drafter equal plain greedy
+/// decoding, through the HTTP server.
+#[test]
+fn every_drafter_serves_concurrent_streams_equal_to_plain_greedy_decoding() {
+    let t = target();
+    let ps = prompts(8);
+    for kind in ["ngram", "draft", "eagle3"] {
+        let engine = dspark_engine::spawn(
+            t.clone(),
+            Some(per_request_drafter(&t, kind)),
+            EngineConfig { draft_len: 3, ..config(Policy::Fixed) },
+        )
+        .unwrap();
+        let state = Arc::new(AppState::new(engine, MODEL, Some(kind.into()), 64));
+        let srv = dspark_server::start(state, "127.0.0.1:0").unwrap();
+        let base = format!("http://{}", srv.addr);
+        let got: Vec<(String, Value)> = std::thread::scope(|s| {
+            let hs: Vec<_> = ps.iter().map(|p| s.spawn(|| stream_chat(&base, p, 32))).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        if kind != "eagle3" {
+            assert!(metric(&base, "dspark_accepted_tokens_total") > 0.0, "{kind}: drafts were accepted");
+        }
+        for (i, (p, (text, usage))) in ps.iter().zip(&got).enumerate() {
+            let (want, n) = alone(&t, p, 32);
+            assert_eq!(text, &want, "{kind}, request {i}: served output differs from plain greedy decoding");
+            assert_eq!(usage["completion_tokens"], n, "{kind}, request {i}");
+        }
+        srv.stop().unwrap();
+    }
 }
 
 #[test]

@@ -141,7 +141,9 @@ fn soak_hang_ups_storms_and_two_thousand_requests() {
         prefill_chunk: 256,
         online_calibration: true,
     };
-    let engine = dspark_engine::spawn(t.clone(), Some(Arc::new(drafter)), config).unwrap();
+    let engine =
+        dspark_engine::spawn(t.clone(), Some(dspark_engine::EngineDrafter::Block(Arc::new(drafter))), config)
+            .unwrap();
     let srv = dspark_server::start(
         Arc::new(AppState::new(engine, MODEL, Some("dspark".into()), 64)),
         "127.0.0.1:0",

@@ -56,6 +56,18 @@ impl Drafter for AutoDrafter {
         }
     }
 
+    fn fork(&self) -> Option<Box<dyn Drafter>> {
+        let model = match &self.model {
+            Some(m) => Some(m.fork()?),
+            None => None,
+        };
+        Some(Box::new(Self::new(model, self.lookup_len)))
+    }
+
+    fn has_confidence(&self) -> bool {
+        self.model.as_ref().is_some_and(|m| m.has_confidence())
+    }
+
     fn taps(&self) -> TapSpec {
         self.model.as_ref().map(|m| m.taps()).unwrap_or_default()
     }

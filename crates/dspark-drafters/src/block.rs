@@ -125,6 +125,14 @@ impl Drafter for BlockDrafter {
         self.name.clone()
     }
 
+    fn fork(&self) -> Option<Box<dyn Drafter>> {
+        Some(Box::new(Self::new(self.net.clone(), &self.name)))
+    }
+
+    fn has_confidence(&self) -> bool {
+        self.net.config.dspark.as_ref().is_some_and(|e| e.confidence)
+    }
+
     fn taps(&self) -> TapSpec {
         TapSpec { layers: self.net.config.target_layer_ids.clone(), final_norm: false }
     }

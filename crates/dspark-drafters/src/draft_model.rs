@@ -4,9 +4,10 @@
 use dspark_model::{KvCache, Model, SeqInput, TapSpec};
 use dspark_sampling::{Sampler, SamplingParams};
 use dspark_spec::{DraftDist, DraftError, DraftResult, Drafter, Proposal, TargetFeatures};
+use std::sync::Arc;
 
 pub struct DraftModel {
-    model: Model,
+    model: Arc<Model>,
     name: String,
     cache: Option<KvCache>,
     /// The tokens whose K/V are in `cache`, in order.
@@ -17,7 +18,8 @@ pub struct DraftModel {
 impl DraftModel {
     /// Refuses a draft model whose vocabulary differs from the target's: its token ids would
     /// mean different text and nothing it proposes could be verified.
-    pub fn new(model: Model, name: &str, target: &Model) -> DraftResult<Self> {
+    pub fn new(model: impl Into<Arc<Model>>, name: &str, target: &Model) -> DraftResult<Self> {
+        let model = model.into();
         let (dv, tv) = (model.tokenizer.vocab(), target.tokenizer.vocab());
         if dv != tv {
             let only_d = dv.keys().filter(|k| !tv.contains_key(*k)).count();
@@ -47,6 +49,16 @@ impl DraftModel {
 impl Drafter for DraftModel {
     fn name(&self) -> String {
         format!("draft:{}", self.name)
+    }
+
+    fn fork(&self) -> Option<Box<dyn Drafter>> {
+        Some(Box::new(Self {
+            model: self.model.clone(),
+            name: self.name.clone(),
+            cache: None,
+            cached: Vec::new(),
+            rng: Sampler::new(0),
+        }))
     }
 
     fn begin(&mut self, prompt: &[u32], _f: &TargetFeatures, seed: u64) -> DraftResult<()> {

@@ -49,6 +49,15 @@ impl Drafter for Eagle3Drafter {
         self.name.clone()
     }
 
+    fn fork(&self) -> Option<Box<dyn Drafter>> {
+        Some(Box::new(Self {
+            net: self.net.clone(),
+            name: self.name.clone(),
+            cache: EagleCache::default(),
+            rng: Sampler::new(0),
+        }))
+    }
+
     fn taps(&self) -> TapSpec {
         TapSpec { layers: self.net.config.target_layer_ids.clone(), final_norm: false }
     }

@@ -51,3 +51,72 @@ pub fn load_network_drafter(
         _ => Box::new(BlockDrafter::from_net(net, &name).map_err(wrap)?),
     })
 }
+
+/// A `--drafter` value, parsed in this one place for every command.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DrafterSpec {
+    /// Prompt lookup where it matches, the DSpark drafter shipped for the target while it pays.
+    Auto,
+    /// Plain decoding.
+    None,
+    /// Prompt lookup (n-gram).
+    Ngram,
+    /// A small model with the target's tokenizer, by name or path.
+    DraftModel(String),
+    /// A drafter checkpoint folder of a method.
+    Network(Method, std::path::PathBuf),
+}
+
+impl std::str::FromStr for DrafterSpec {
+    type Err = DrafterError;
+
+    fn from_str(s: &str) -> Result<Self, DrafterError> {
+        let (kind, arg) = s.split_once(':').unwrap_or((s, ""));
+        let needs = |what: &str| {
+            DrafterError::Config(format!(
+                "drafter `{s}` names no {what}; write {kind}:{}",
+                what.to_uppercase()
+            ))
+        };
+        Ok(match (kind, arg) {
+            ("auto", "") => Self::Auto,
+            ("none", "") => Self::None,
+            ("ngram", "") => Self::Ngram,
+            ("draft", "") => return Err(needs("model")),
+            ("draft", m) => Self::DraftModel(m.to_string()),
+            ("dspark" | "dflash" | "eagle3", "") => return Err(needs("path")),
+            ("dspark" | "dflash" | "eagle3", p) => Self::Network(kind.parse()?, p.into()),
+            _ => {
+                return Err(DrafterError::Config(format!(
+                    "unknown drafter `{s}`; use auto, none, ngram, draft:MODEL, dspark:PATH, dflash:PATH or eagle3:PATH"
+                )))
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drafter_specs_parse_or_say_what_is_wrong() {
+        assert_eq!("auto".parse::<DrafterSpec>().unwrap(), DrafterSpec::Auto);
+        assert_eq!("none".parse::<DrafterSpec>().unwrap(), DrafterSpec::None);
+        assert_eq!("ngram".parse::<DrafterSpec>().unwrap(), DrafterSpec::Ngram);
+        assert_eq!(
+            "draft:qwen2.5-coder-0.5b".parse::<DrafterSpec>().unwrap(),
+            DrafterSpec::DraftModel("qwen2.5-coder-0.5b".into())
+        );
+        assert_eq!(
+            "eagle3:/x/y".parse::<DrafterSpec>().unwrap(),
+            DrafterSpec::Network(Method::Eagle3, "/x/y".into())
+        );
+        for (bad, says) in
+            [("draft:", "names no model"), ("dspark:", "names no path"), ("medusa:x", "unknown drafter")]
+        {
+            let e = bad.parse::<DrafterSpec>().unwrap_err().to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+}

@@ -40,6 +40,10 @@ impl Drafter for NgramDrafter {
         "ngram".into()
     }
 
+    fn fork(&self) -> Option<Box<dyn Drafter>> {
+        Some(Box::new(Self { max_n: self.max_n, min_n: self.min_n }))
+    }
+
     fn begin(&mut self, _prompt: &[u32], _f: &TargetFeatures, _seed: u64) -> DraftResult<()> {
         Ok(())
     }

@@ -8,7 +8,7 @@ use dspark_model::{KvCache, Model, SeqInput, SeqOutput, TapSpec};
 use dspark_sampling::Sampler;
 use dspark_schedule::calibration::{OnlineConfig, TrackStatus};
 use dspark_schedule::{CostTable, OnlineCalibration, Policy, Scheduler};
-use dspark_spec::{append_features, apply_stops, verify, DraftError, Proposal, TargetFeatures};
+use dspark_spec::{append_features, apply_stops, verify, DraftError, Drafter, Proposal, TargetFeatures};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{mpsc, Arc, Mutex};
@@ -150,8 +150,56 @@ impl EngineHandle {
     }
 }
 
+/// What drafts for the engine's requests.
+pub enum EngineDrafter {
+    /// DFlash or DSpark: one backbone pass and one LM-head product draft for every decoding
+    /// request together.
+    Block(Arc<BlockModel>),
+    /// Any other drafter (prompt lookup, a draft model, EAGLE-3, `auto`): each request gets its
+    /// own [`Drafter::fork`] of this one, which proposes for that request alone.
+    Each(Box<dyn Drafter>),
+}
+
+impl EngineDrafter {
+    /// Another engine's drafter with the same weights; `None` for a drafter that cannot fork.
+    pub fn try_clone(&self) -> Option<Self> {
+        match self {
+            Self::Block(d) => Some(Self::Block(d.clone())),
+            Self::Each(d) => d.fork().map(Self::Each),
+        }
+    }
+
+    fn taps(&self) -> TapSpec {
+        match self {
+            Self::Block(d) => TapSpec { layers: d.config.target_layer_ids.clone(), final_norm: false },
+            Self::Each(d) => d.taps(),
+        }
+    }
+
+    pub fn has_confidence(&self) -> bool {
+        match self {
+            Self::Block(d) => d.config.dspark.as_ref().is_some_and(|e| e.confidence),
+            Self::Each(d) => d.has_confidence(),
+        }
+    }
+}
+
+/// A request's drafting state.
+enum DraftState {
+    None,
+    Block(Box<BlockSeq>),
+    /// `begun` once its prompt is prefilled (`Drafter::begin` takes the prompt's features).
+    Each {
+        d: Box<dyn Drafter>,
+        begun: bool,
+    },
+}
+
 /// Pending drafter rows that force a feed even without drafting (bounds their memory).
 const FEED_EVERY: usize = 256;
+
+/// Mixed into a request's seed for its drafter's own sampling.
+const DRAFT_SEED: u64 = 0x9E37_79B9_7F4A_7C15;
 
 fn reservation(prompt: usize, max_tokens: usize, gamma: usize, context: usize) -> usize {
     prompt.saturating_add(max_tokens).saturating_add(gamma + 1).min(context)
@@ -161,40 +209,44 @@ fn reservation(prompt: usize, max_tokens: usize, gamma: usize, context: usize) -
 /// survival-ranked policies need one with a confidence head.
 pub fn spawn(
     target: Arc<Model>,
-    drafter: Option<Arc<BlockModel>>,
+    drafter: Option<EngineDrafter>,
     mut config: EngineConfig,
 ) -> Result<Arc<EngineHandle>, SubmitError> {
     let drafter = if config.policy.drafts() { drafter } else { None };
     match &drafter {
         None if config.policy.drafts() => {
             return Err(SubmitError::Invalid(format!(
-                "policy {} needs a drafter (a dspark: or dflash: checkpoint); use --policy plain without one",
+                "policy {} needs a drafter; use --policy plain without one",
                 config.policy
             )))
         }
-        Some(d)
-            if config.policy.needs_confidence()
-                && !d.config.dspark.as_ref().is_some_and(|e| e.confidence) =>
-        {
+        Some(d) if config.policy.needs_confidence() && !d.has_confidence() => {
             return Err(SubmitError::Invalid(format!(
                 "policy {} ranks drafts by predicted survival, but this drafter has no confidence head; \
                  use --policy fixed or a DSpark checkpoint",
                 config.policy
             )))
         }
+        Some(EngineDrafter::Each(d)) if d.fork().is_none() => {
+            return Err(SubmitError::Invalid(format!(
+                "drafter {} cannot draft for several requests; the engine needs one that can",
+                d.name()
+            )))
+        }
         _ => {}
     }
-    config.draft_len = drafter.as_ref().map_or(0, |d| config.draft_len.clamp(1, d.gamma()));
+    config.draft_len = match &drafter {
+        Some(EngineDrafter::Block(d)) => config.draft_len.clamp(1, d.gamma()),
+        Some(EngineDrafter::Each(_)) => config.draft_len.max(1),
+        None => 0,
+    };
     let c = &target.config;
     let shared = Arc::new(Shared::default());
     shared.kv_capacity_tokens.store(config.kv_tokens, Relaxed);
     shared.kv_bytes_per_token.store(2 * c.n_layers * c.n_kv_heads * c.head_dim * 4, Relaxed);
     let (tx, rx) = mpsc::channel();
     let mut worker = Worker {
-        taps: drafter
-            .as_ref()
-            .map(|d| TapSpec { layers: d.config.target_layer_ids.clone(), final_norm: false })
-            .unwrap_or_default(),
+        taps: drafter.as_ref().map(|d| d.taps()).unwrap_or_default(),
         row_cost: RowCost::of(&target.config),
         target: target.clone(),
         drafter,
@@ -241,9 +293,10 @@ struct Seq {
     prompt_len: usize,
     cache: KvCache,
     reserved: usize,
-    draft: Option<BlockSeq>,
-    /// Target features not yet handed to the drafter: feeding is batched until the next
-    /// drafting step, so steps without drafting pay nothing for it.
+    draft: DraftState,
+    /// Target features not yet handed to the drafter: a block drafter's are fed at the next
+    /// drafting step, so steps without drafting pay nothing for it; a per-request drafter's
+    /// are its prompt's, handed to `begin`.
     pending: TargetFeatures,
     rng: Sampler,
     usage: Usage,
@@ -284,7 +337,7 @@ enum Part {
 struct Worker {
     target: Arc<Model>,
     row_cost: RowCost,
-    drafter: Option<Arc<BlockModel>>,
+    drafter: Option<EngineDrafter>,
     taps: TapSpec,
     sched: Scheduler,
     calib: OnlineCalibration,
@@ -380,15 +433,20 @@ impl Worker {
             self.next_id += 1;
             let seed = req.params.seed;
             let draft = match &self.drafter {
-                Some(d) => match BlockSeq::new(d, &TargetFeatures::default(), seed ^ 0x9E37_79B9_7F4A_7C15) {
-                    Ok(s) => Some(s),
-                    Err(e) => {
-                        let _ = req.events.send(Event::Error(format!("drafter: {e}")));
-                        self.shared.kv_reserved_tokens.fetch_sub(need, Relaxed);
-                        continue;
+                Some(EngineDrafter::Block(d)) => {
+                    match BlockSeq::new(d, &TargetFeatures::default(), seed ^ DRAFT_SEED) {
+                        Ok(s) => DraftState::Block(Box::new(s)),
+                        Err(e) => {
+                            let _ = req.events.send(Event::Error(format!("drafter: {e}")));
+                            self.shared.kv_reserved_tokens.fetch_sub(need, Relaxed);
+                            continue;
+                        }
                     }
-                },
-                None => None,
+                }
+                Some(EngineDrafter::Each(d)) => {
+                    DraftState::Each { d: d.fork().expect("checked at spawn"), begun: false }
+                }
+                None => DraftState::None,
             };
             let usage = Usage {
                 prompt_tokens: req.prompt.len(),
@@ -416,6 +474,13 @@ impl Worker {
     /// feed back.
     fn step(&mut self, seqs: &mut [Seq]) -> Result<(), DraftError> {
         let decoding: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].decoding()).collect();
+        for &i in &decoding {
+            let s = &mut seqs[i];
+            if let DraftState::Each { d, begun: begun @ false } = &mut s.draft {
+                d.begin(&s.context, &std::mem::take(&mut s.pending), s.req.params.seed ^ DRAFT_SEED)?;
+                *begun = true;
+            }
+        }
         let drafting = self.drafter.is_some() && !decoding.is_empty() && self.sched.should_draft();
         let mut proposals = if drafting { self.draft(seqs, &decoding)? } else { vec![] };
         proposals.resize(decoding.len(), Proposal::default());
@@ -444,7 +509,7 @@ impl Worker {
                 Part::Verify { seq, proposal, survival } => {
                     self.accept(&mut seqs[seq], proposal, &survival, out)?
                 }
-                Part::Prefill { seq, rows } => self.feed(&mut seqs[seq], out, rows)?,
+                Part::Prefill { seq, rows } => self.feed(&mut seqs[seq], out, rows, 0)?,
             }
         }
         self.shared.draft_steps.fetch_add(drafting as u64, Relaxed);
@@ -452,24 +517,37 @@ impl Worker {
     }
 
     fn draft(&self, seqs: &mut [Seq], decoding: &[usize]) -> Result<Vec<Proposal>, DraftError> {
-        let net = self.drafter.as_ref().expect("drafting needs a drafter");
         let gamma = self.config.draft_len;
-        for &i in decoding {
-            self.flush(&mut seqs[i])?;
-        }
         let budgets: Vec<usize> = decoding.iter().map(|&i| seqs[i].budget(gamma)).collect();
-        let mut entries: Vec<BatchEntry> = seqs
-            .iter_mut()
-            .filter(|s| s.decoding())
-            .map(|s| {
-                (
-                    s.draft.as_mut().expect("a drafter state per request"),
-                    s.context.as_slice(),
-                    &s.req.params.sampling,
-                )
-            })
-            .collect();
-        let mut proposals = propose_batch(net, &mut entries, gamma)?;
+        let mut proposals = match self.drafter.as_ref().expect("drafting needs a drafter") {
+            EngineDrafter::Block(net) => {
+                for &i in decoding {
+                    self.flush(&mut seqs[i])?;
+                }
+                let mut entries: Vec<BatchEntry> = seqs
+                    .iter_mut()
+                    .filter(|s| s.decoding())
+                    .map(|s| match &mut s.draft {
+                        DraftState::Block(b) => (b.as_mut(), s.context.as_slice(), &s.req.params.sampling),
+                        _ => unreachable!("a block drafter's requests hold block states"),
+                    })
+                    .collect();
+                propose_batch(net, &mut entries, gamma)?
+            }
+            EngineDrafter::Each(_) => {
+                let mut out = Vec::with_capacity(decoding.len());
+                for (&i, &b) in decoding.iter().zip(&budgets) {
+                    let s = &mut seqs[i];
+                    out.push(match &mut s.draft {
+                        DraftState::Each { d, .. } if b > 0 => {
+                            d.propose(&s.context, b, &s.req.params.sampling)?
+                        }
+                        _ => Proposal::default(),
+                    });
+                }
+                out
+            }
+        };
         for ((p, b), &i) in proposals.iter_mut().zip(budgets).zip(decoding) {
             p.tokens.truncate(b);
             p.dists.truncate(b);
@@ -548,15 +626,20 @@ impl Worker {
         s.usage.accepted_tokens += verdict.accepted;
         self.shared.verified.fetch_add(n as u64, Relaxed);
         self.shared.accepted.fetch_add(verdict.accepted as u64, Relaxed);
+        // Committed token j was chosen from row j of the verify block, drafted or not, so the
+        // target's exact distribution is at hand for each.
+        let new = s.context.len() - committed;
+        let logprobs: Option<Vec<TokenLogprob>> = s.req.params.logprobs.map(|k| {
+            (0..committed).map(|j| log_probs(out.logits_row(j, v), s.context[new + j], k)).collect()
+        });
+        self.feed(s, out, 1 + verdict.accepted, verdict.accepted)?;
         let p = &s.req.params;
         let (emit, finish) =
             apply_stops(&mut s.context, s.prompt_len, committed, &p.stop_tokens, p.max_tokens);
-        // Committed token j was chosen from row j of the verify block, drafted or not, so the
-        // target's exact distribution is at hand for each.
-        let logprobs = p
-            .logprobs
-            .map(|k| emit.iter().enumerate().map(|(j, &t)| log_probs(out.logits_row(j, v), t, k)).collect());
-        self.feed(s, out, 1 + verdict.accepted)?;
+        let logprobs = logprobs.map(|mut l| {
+            l.truncate(emit.len());
+            l
+        });
         s.finish = finish;
         self.shared.committed.fetch_add(emit.len() as u64, Relaxed);
         if !emit.is_empty() {
@@ -565,21 +648,35 @@ impl Worker {
         Ok(())
     }
 
-    /// Keeps the target's hidden states of the first `rows` rows that entered the cache for the
-    /// drafter.
-    fn feed(&self, s: &mut Seq, out: SeqOutput, rows: usize) -> Result<(), DraftError> {
-        if s.draft.is_some() {
-            append_features(&mut s.pending, out, rows, self.target.config.hidden);
-            if s.pending.rows >= FEED_EVERY {
-                self.flush(s)?;
+    /// Hands the drafter the target's hidden states of the first `rows` rows that entered the
+    /// cache (a prefill chunk, or a verify block's anchor and `accepted` drafts). A per-request
+    /// drafter observes every round, as its trait asks; before it has begun, its prompt's rows
+    /// wait for `begin`.
+    fn feed(&self, s: &mut Seq, out: SeqOutput, rows: usize, accepted: usize) -> Result<(), DraftError> {
+        let d = self.target.config.hidden;
+        match &mut s.draft {
+            DraftState::None => {}
+            DraftState::Block(_) => {
+                append_features(&mut s.pending, out, rows, d);
+                if s.pending.rows >= FEED_EVERY {
+                    self.flush(s)?;
+                }
+            }
+            DraftState::Each { begun: false, .. } => append_features(&mut s.pending, out, rows, d),
+            DraftState::Each { d: drafter, begun: true } => {
+                let mut f = TargetFeatures::default();
+                append_features(&mut f, out, rows, d);
+                drafter.observe(&s.context, accepted, &f)?;
             }
         }
         Ok(())
     }
 
-    /// Hands the drafter every pending row.
+    /// Hands a block drafter every pending row.
     fn flush(&self, s: &mut Seq) -> Result<(), DraftError> {
-        if let (Some(net), Some(d), true) = (&self.drafter, s.draft.as_mut(), s.pending.rows > 0) {
+        if let (Some(EngineDrafter::Block(net)), DraftState::Block(d), true) =
+            (&self.drafter, &mut s.draft, s.pending.rows > 0)
+        {
             d.feed(net, &std::mem::take(&mut s.pending))?;
         }
         Ok(())

@@ -94,9 +94,21 @@ impl TargetFeatures {
     }
 }
 
-pub trait Drafter {
+pub trait Drafter: Send {
     /// A short name for statistics and messages.
     fn name(&self) -> String;
+
+    /// A fresh drafter for another sequence, sharing this one's weights: the serving engine
+    /// gives every request its own. `None` when this drafter cannot serve several sequences.
+    fn fork(&self) -> Option<Box<dyn Drafter>> {
+        None
+    }
+
+    /// Whether proposals carry confidences (a DSpark confidence head): what the
+    /// survival-ranked verification policies need.
+    fn has_confidence(&self) -> bool {
+        false
+    }
 
     /// Which target hidden states the drafter needs; none by default.
     fn taps(&self) -> TapSpec {

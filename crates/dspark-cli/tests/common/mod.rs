@@ -122,7 +122,11 @@ pub fn chi2_check(counts: &[usize], p: &[f64], n: usize, what: &str) {
 
 /// The shipped SmolLM2 DSpark-Markov drafter as the serving engine takes it: a block model with
 /// its 8-bit inference weights.
-pub fn shipped_block_drafter(t: &std::sync::Arc<Model>) -> std::sync::Arc<dspark_drafter_models::BlockModel> {
+pub fn shipped_block_drafter(t: &std::sync::Arc<Model>) -> dspark_engine::EngineDrafter {
+    dspark_engine::EngineDrafter::Block(shipped_block_model(t))
+}
+
+pub fn shipped_block_model(t: &std::sync::Arc<Model>) -> std::sync::Arc<dspark_drafter_models::BlockModel> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../drafters/smollm2-135m-dspark-markov");
     let mut net = dspark_drafter_models::load(&dir, t.clone(), "smollm2-135m").unwrap();
     net.quantize_for_inference().unwrap();
