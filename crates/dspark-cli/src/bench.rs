@@ -462,7 +462,7 @@ fn decode(
         seed: 0,
         stop_tokens: model.tokenizer.eos().to_vec(),
     };
-    let sp = dspark_spec::SpecParams {
+    let sp = dspark_engine::SpecParams {
         max_tokens,
         draft_len: drafter.as_ref().map_or(1, |d| d.1),
         sampling,
@@ -477,7 +477,7 @@ fn decode(
         // Plain and speculative alternate prompt by prompt so that machine noise hits both.
         let g = dspark_decode::generate(&model, &prompt, &params, |_| {})?;
         let s = match drafter.as_mut() {
-            Some((d, _)) => Some(dspark_spec::generate_spec(&model, d.as_mut(), &prompt, &sp, |_| {})?),
+            Some((d, _)) => Some(dspark_engine::generate(&model, d.as_mut(), &prompt, &sp, |_| {})?),
             None => None,
         };
         if let Some(s) = s.as_ref().filter(|_| sampling.is_greedy()) {

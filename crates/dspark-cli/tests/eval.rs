@@ -50,7 +50,7 @@ impl Drafter for Planted {
 
 #[test]
 fn tau_and_per_position_acceptance_match_a_planted_pattern() {
-    let m = Model::load(&common::model("smollm2-135m")).unwrap();
+    let m = std::sync::Arc::new(Model::load(&common::model("smollm2-135m")).unwrap());
     let text = "Write a long story about a lighthouse keeper and a storm.";
     let prompt = m.tokenizer.encode(&m.chat_prompt(text).unwrap(), true).unwrap();
     let answer = common::plain(&m, &prompt, 30);

@@ -7,9 +7,10 @@ mod common;
 use common::{math_and_code, plain, spec};
 use dspark_drafter_models::{BlockLayout, HeadKind, InitOptions, Method};
 use dspark_drafters::{BlockDrafter, Eagle3Drafter};
+use dspark_engine::SpecParams;
 use dspark_model::{Model, SeqInput, TapSpec};
 use dspark_sampling::{Sampler, SamplingParams};
-use dspark_spec::{verify, DraftDist, Drafter, SpecParams, SpecSequence};
+use dspark_spec::{verify, DraftDist, Drafter, TargetFeatures};
 use std::sync::Arc;
 
 fn smollm2() -> Arc<Model> {
@@ -84,7 +85,7 @@ fn greedy_repeating_dspark_accepts_whole_blocks_and_matches_plain_output() {
             stop_tokens: m.tokenizer.eos().to_vec(),
             min_survival: threshold,
         };
-        let r = dspark_spec::generate_spec(&m, d.as_mut(), &prompt, &p, |_| {}).unwrap();
+        let r = dspark_engine::generate(&m, d.as_mut(), &prompt, &p, |_| {}).unwrap();
         assert_eq!(r.tokens, want, "min_survival {threshold}");
     }
 }
@@ -97,15 +98,7 @@ fn check_sampled(m: &Arc<Model>, mut d: Box<dyn Drafter>, what: &str, must_accep
     let params = SamplingParams { temperature: 0.7, top_k: Some(20), top_p: None };
     // A repetitive text, on which the drafter below proposes what the target expects.
     let prompt = m.tokenizer.encode(HELLO, false).unwrap();
-    let sp = SpecParams {
-        max_tokens: 8,
-        draft_len: 2,
-        sampling: params,
-        seed: 1,
-        stop_tokens: vec![],
-        min_survival: 0.0,
-    };
-    let seq = SpecSequence::start(m, d.as_mut(), &prompt, &sp).unwrap();
+    begin(m, d.as_mut(), &prompt, 1);
     let mut cache = m.new_cache(prompt.len());
     let logits = m
         .forward(&mut [SeqInput::logits_last(&mut cache, &prompt)], &TapSpec::default())
@@ -120,7 +113,7 @@ fn check_sampled(m: &Arc<Model>, mut d: Box<dyn Drafter>, what: &str, must_accep
     let mut accepted = 0;
     let mut second: std::collections::HashMap<u32, (Vec<usize>, Vec<f64>, usize)> = Default::default();
     for _ in 0..n {
-        let p = d.propose(&seq.context, 2, &params).unwrap();
+        let p = d.propose(&prompt, 2, &params).unwrap();
         assert_eq!(p.len(), 2);
         let dense = |x: &DraftDist| match x {
             DraftDist::Dense(q) => q.clone(),
@@ -218,6 +211,17 @@ fn repeating(m: &Arc<Model>, o: &InitOptions) -> Box<dyn Drafter> {
         net.quantize_for_inference().unwrap(); // 8-bit drafting weights for the RNN cases
     }
     Box::new(BlockDrafter::from_net(net, "dspark").unwrap())
+}
+
+/// Prefills `prompt` but its last token (the first anchor) and starts `d` on its features, as
+/// the decode loop does.
+fn begin(m: &Model, d: &mut dyn Drafter, prompt: &[u32], seed: u64) {
+    let n = prompt.len() - 1;
+    let mut cache = m.new_cache(prompt.len());
+    let seq =
+        SeqInput { cache: &mut cache, tokens: &prompt[..n], logit_rows: vec![], tap_rows: (0..n).collect() };
+    let out = m.forward(&mut [seq], &d.taps()).unwrap().remove(0);
+    d.begin(prompt, &TargetFeatures { rows: n, taps: out.taps, final_norm: out.final_norm }, seed).unwrap();
 }
 
 #[test]

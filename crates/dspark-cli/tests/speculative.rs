@@ -5,13 +5,14 @@ mod common;
 
 use common::{math_and_code, plain, spec};
 use dspark_drafters::{DraftModel, NgramDrafter};
+use dspark_engine::{generate as generate_spec, SpecParams};
 use dspark_model::{Model, SeqInput, TapSpec};
 use dspark_sampling::{Sampler, SamplingParams};
-use dspark_spec::{generate_spec, verify, DraftDist, SpecParams};
+use dspark_spec::{verify, DraftDist};
 
 #[test]
 fn greedy_ngram_output_is_plain_greedy_output_on_100_prompts() {
-    let m = Model::load(&common::model("smollm2-135m")).unwrap();
+    let m = std::sync::Arc::new(Model::load(&common::model("smollm2-135m")).unwrap());
     let mut total_tau = 0.0;
     let prompts = math_and_code(&m, 50);
     assert_eq!(prompts.len(), 100);
@@ -26,7 +27,7 @@ fn greedy_ngram_output_is_plain_greedy_output_on_100_prompts() {
 
 #[test]
 fn greedy_identity_at_gamma_1_and_16_with_max_tokens_mid_block() {
-    let m = Model::load(&common::model("smollm2-135m")).unwrap();
+    let m = std::sync::Arc::new(Model::load(&common::model("smollm2-135m")).unwrap());
     for prompt in math_and_code(&m, 5) {
         // 37 is not a multiple of any round length here, so the last round is cut mid-block.
         let want = plain(&m, &prompt, 37);
@@ -42,7 +43,7 @@ fn self_drafting_accepts_whole_blocks_and_stops_at_eos_inside_one() {
     // The target drafting for itself: every draft is accepted, so blocks are full, max_tokens
     // is reached mid-block and EOS arrives inside an accepted block.
     let path = common::model("smollm2-135m");
-    let m = Model::load(&path).unwrap();
+    let m = std::sync::Arc::new(Model::load(&path).unwrap());
     let mut d = DraftModel::new(Model::load(&path).unwrap(), "smollm2-135m", &m).unwrap();
     let eos = m.tokenizer.eos().to_vec();
     let short = m
@@ -65,7 +66,7 @@ fn self_drafting_accepts_whole_blocks_and_stops_at_eos_inside_one() {
 
 #[test]
 fn a_draft_model_with_another_vocabulary_is_refused() {
-    let m = Model::load(&common::model("smollm2-135m")).unwrap();
+    let m = std::sync::Arc::new(Model::load(&common::model("smollm2-135m")).unwrap());
     let other = Model::load(&common::model("qwen2.5-coder-0.5b")).unwrap();
     let err = DraftModel::new(other, "qwen2.5-coder-0.5b", &m).err().unwrap().to_string();
     assert!(err.contains("different vocabulary"), "{err}");
@@ -74,7 +75,7 @@ fn a_draft_model_with_another_vocabulary_is_refused() {
 #[test]
 #[ignore = "opt-in: installs the 1.1 GB Qwen2.5-Coder-1.5B; run with `cargo test --release -- --ignored`"]
 fn greedy_qwen_pair_output_is_plain_greedy_output_on_100_prompts() {
-    let m = Model::load(&common::model("qwen2.5-coder-1.5b")).unwrap();
+    let m = std::sync::Arc::new(Model::load(&common::model("qwen2.5-coder-1.5b")).unwrap());
     let dm = Model::load(&common::model("qwen2.5-coder-0.5b")).unwrap();
     let mut d = DraftModel::new(dm, "qwen2.5-coder-0.5b", &m).unwrap();
     for (i, prompt) in math_and_code(&m, 50).iter().enumerate() {
@@ -86,7 +87,7 @@ fn greedy_qwen_pair_output_is_plain_greedy_output_on_100_prompts() {
 
 #[test]
 fn sampled_verification_follows_real_smollm2_distributions() {
-    let m = Model::load(&common::model("smollm2-135m")).unwrap();
+    let m = std::sync::Arc::new(Model::load(&common::model("smollm2-135m")).unwrap());
     let v = m.vocab_size();
     let prompt =
         m.tokenizer.encode(&m.chat_prompt("Tell me a short story about a cat.").unwrap(), true).unwrap();
@@ -131,7 +132,7 @@ fn sampled_verification_follows_real_smollm2_distributions() {
 
 #[test]
 fn sampled_speculative_runs_repeat_with_the_same_seed() {
-    let m = Model::load(&common::model("smollm2-135m")).unwrap();
+    let m = std::sync::Arc::new(Model::load(&common::model("smollm2-135m")).unwrap());
     let prompt = m.tokenizer.encode(&m.chat_prompt("Write a limerick about rust.").unwrap(), true).unwrap();
     let p = SpecParams {
         max_tokens: 40,
@@ -194,7 +195,7 @@ impl dspark_spec::Drafter for Hopeless {
 /// when it drafts again.
 #[test]
 fn auto_stops_asking_a_drafter_that_does_not_pay_and_keeps_the_output() {
-    let m = Model::load(&common::model("smollm2-135m")).unwrap();
+    let m = std::sync::Arc::new(Model::load(&common::model("smollm2-135m")).unwrap());
     // A control token the chat never produces: every draft is rejected.
     let token = m.tokenizer.token_id("<|im_start|>").unwrap();
     for prompt in math_and_code(&m, 2) {

@@ -6,10 +6,11 @@ use dspark_drafter_models::{
     BlockLayout, BlockModel, ContextCache, DrafterNet, HeadKind, InitOptions, Method,
 };
 use dspark_drafters::{propose_batch, BatchEntry, BlockDrafter, BlockSeq, Eagle3Drafter};
+use dspark_engine::SpecParams;
 use dspark_model::testing::{weights, write_hf, Tiny};
 use dspark_model::{Model, SeqInput, TapSpec};
 use dspark_sampling::SamplingParams;
-use dspark_spec::{Drafter, SpecParams, SpecSequence, TargetFeatures};
+use dspark_spec::{Drafter, TargetFeatures};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -282,10 +283,47 @@ fn batched_drafting_equals_drafting_each_alone() {
     }
 }
 
-/// Runs speculative rounds on the tiny target and returns the committed context.
-fn run_rounds(t: &Model, d: &mut dyn Drafter, rounds: usize) -> (Vec<u32>, usize) {
+/// Runs speculative decoding on the tiny target and returns the committed context as the
+/// drafter last saw it (the final anchor included) and the drafts accepted.
+fn run_rounds(t: &Arc<Model>, d: &mut dyn Drafter, max_tokens: usize) -> (Vec<u32>, usize) {
+    /// Passes everything through, remembering what the loop told the drafter.
+    struct Watch<'a> {
+        d: &'a mut dyn Drafter,
+        context: Vec<u32>,
+        accepted: usize,
+    }
+    impl Drafter for Watch<'_> {
+        fn name(&self) -> String {
+            self.d.name()
+        }
+        fn taps(&self) -> dspark_model::TapSpec {
+            self.d.taps()
+        }
+        fn begin(&mut self, prompt: &[u32], f: &TargetFeatures, seed: u64) -> dspark_spec::DraftResult<()> {
+            self.context = prompt.to_vec();
+            self.d.begin(prompt, f, seed)
+        }
+        fn propose(
+            &mut self,
+            context: &[u32],
+            max_len: usize,
+            p: &SamplingParams,
+        ) -> dspark_spec::DraftResult<dspark_spec::Proposal> {
+            self.d.propose(context, max_len, p)
+        }
+        fn observe(
+            &mut self,
+            context: &[u32],
+            accepted: usize,
+            f: &TargetFeatures,
+        ) -> dspark_spec::DraftResult<()> {
+            self.context = context.to_vec();
+            self.accepted += accepted;
+            self.d.observe(context, accepted, f)
+        }
+    }
     let p = SpecParams {
-        max_tokens: 200,
+        max_tokens,
         draft_len: 4,
         sampling: SamplingParams { temperature: 0.9, top_k: None, top_p: None },
         seed: 5,
@@ -293,12 +331,9 @@ fn run_rounds(t: &Model, d: &mut dyn Drafter, rounds: usize) -> (Vec<u32>, usize
         min_survival: 0.0,
     };
     let prompt: Vec<u32> = vec![94, 3, 17, 60, 22, 8, 45];
-    let mut seq = SpecSequence::start(t, d, &prompt, &p).unwrap();
-    for _ in 0..rounds {
-        seq.step(t, d, &p).unwrap();
-    }
-    let accepted = seq.stats.accepted;
-    (seq.context, accepted)
+    let mut w = Watch { d, context: vec![], accepted: 0 };
+    dspark_engine::generate(t, &mut w, &prompt, &p, |_| {}).unwrap();
+    (w.context, w.accepted)
 }
 
 /// Target features of every committed row but the anchor, computed in one pass.
@@ -349,7 +384,7 @@ fn draft_caches_after_rounds_with_rejections_equal_caches_rebuilt_from_scratch()
     let o = opts(Method::Dspark, HeadKind::Markov, None, BlockLayout::Dspark);
     let net = Arc::new(block(dspark_drafter_models::init(t.clone(), "tiny", &o).unwrap()));
     let mut d = BlockDrafter::new(net.clone(), "dspark:tiny");
-    let (context, accepted) = run_rounds(&t, &mut d, 25);
+    let (context, accepted) = run_rounds(&t, &mut d, 40);
     eprintln!("DSpark: {} tokens committed, {accepted} drafts accepted", context.len());
 
     let rebuilt = BlockSeq::new(&net, &features_from_scratch(&t, &context, &[0, 1]), 0).unwrap();
@@ -379,7 +414,7 @@ fn draft_caches_after_rounds_with_rejections_equal_caches_rebuilt_from_scratch()
     let mut e =
         Eagle3Drafter::from_net(dspark_drafter_models::init(t.clone(), "tiny", &eo).unwrap(), "eagle3:tiny")
             .unwrap();
-    let (context, _) = run_rounds(&t, &mut e, 25);
+    let (context, _) = run_rounds(&t, &mut e, 40);
     let mut fresh =
         Eagle3Drafter::from_net(dspark_drafter_models::init(t.clone(), "tiny", &eo).unwrap(), "e").unwrap();
     fresh.begin(&context, &features_from_scratch(&t, &context, &[0, 1]), 0).unwrap();

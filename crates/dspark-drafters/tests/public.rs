@@ -4,9 +4,10 @@
 //! drafted, and speculative greedy decoding with each of them gives the plain greedy output.
 
 use dspark_drafters::{BlockDrafter, Eagle3Drafter};
+use dspark_engine::{generate as generate_spec, SpecParams};
 use dspark_model::{Model, SeqInput};
 use dspark_sampling::SamplingParams;
-use dspark_spec::{generate_spec, Drafter, SpecParams, TargetFeatures};
+use dspark_spec::{Drafter, TargetFeatures};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

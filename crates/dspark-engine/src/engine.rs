@@ -8,7 +8,9 @@ use dspark_model::{KvCache, Model, SeqInput, SeqOutput, TapSpec};
 use dspark_sampling::Sampler;
 use dspark_schedule::calibration::{OnlineConfig, TrackStatus};
 use dspark_schedule::{CostTable, OnlineCalibration, Policy, Scheduler};
-use dspark_spec::{append_features, apply_stops, verify, DraftError, Drafter, Proposal, TargetFeatures};
+use dspark_spec::{
+    append_features, apply_stops, verify, DraftError, Drafter, Proposal, SpecStats, TargetFeatures,
+};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{mpsc, Arc, Mutex};
@@ -184,13 +186,13 @@ impl EngineDrafter {
     }
 }
 
-/// A request's drafting state.
-enum DraftState {
+/// A request's drafting state. `'d`: a drafter lent by the caller ([`crate::generate`]).
+pub(crate) enum DraftState<'d> {
     None,
     Block(Box<BlockSeq>),
     /// `begun` once its prompt is prefilled (`Drafter::begin` takes the prompt's features).
     Each {
-        d: Box<dyn Drafter>,
+        d: Box<dyn Drafter + 'd>,
         begun: bool,
     },
 }
@@ -245,17 +247,9 @@ pub fn spawn(
     shared.kv_capacity_tokens.store(config.kv_tokens, Relaxed);
     shared.kv_bytes_per_token.store(2 * c.n_layers * c.n_kv_heads * c.head_dim * 4, Relaxed);
     let (tx, rx) = mpsc::channel();
-    let mut worker = Worker {
-        taps: drafter.as_ref().map(|d| d.taps()).unwrap_or_default(),
-        row_cost: RowCost::of(&target.config),
-        target: target.clone(),
-        drafter,
-        sched: Scheduler::new(config.policy, config.cost.clone()),
-        calib: OnlineCalibration::new(config.draft_len.max(1), OnlineConfig::default()),
-        config: config.clone(),
-        shared: shared.clone(),
-        next_id: 0,
-    };
+    let taps = drafter.as_ref().map(|d| d.taps()).unwrap_or_default();
+    let mut worker =
+        Worker::new(target.clone(), drafter.is_some(), drafter, taps, config.clone(), shared.clone());
     let dead = shared.clone();
     let thread = std::thread::Builder::new()
         .name("dspark-engine".into())
@@ -285,7 +279,7 @@ pub fn spawn(
 }
 
 /// One admitted request.
-struct Seq {
+pub(crate) struct Seq<'d> {
     req: Request,
     /// Prompt and committed tokens; the last one is the next verify block's anchor and is not
     /// in the cache yet.
@@ -293,19 +287,21 @@ struct Seq {
     prompt_len: usize,
     cache: KvCache,
     reserved: usize,
-    draft: DraftState,
+    draft: DraftState<'d>,
     /// Target features not yet handed to the drafter: a block drafter's are fed at the next
     /// drafting step, so steps without drafting pay nothing for it; a per-request drafter's
     /// are its prompt's, handed to `begin`.
     pending: TargetFeatures,
     rng: Sampler,
     usage: Usage,
-    finish: Option<FinishReason>,
+    /// Per-round statistics (acceptance per draft position, drafting and verifying time).
+    pub(crate) stats: SpecStats,
+    pub(crate) finish: Option<FinishReason>,
     failed: bool,
 }
 
-impl Seq {
-    fn decoding(&self) -> bool {
+impl Seq<'_> {
+    pub(crate) fn decoding(&self) -> bool {
         self.cache.len() + 1 >= self.prompt_len
     }
 
@@ -334,9 +330,11 @@ enum Part {
     Prefill { seq: usize, rows: usize },
 }
 
-struct Worker {
+pub(crate) struct Worker {
     target: Arc<Model>,
     row_cost: RowCost,
+    /// Whether requests draft: `drafter` makes their states, or the caller lends one.
+    drafts: bool,
     drafter: Option<EngineDrafter>,
     taps: TapSpec,
     sched: Scheduler,
@@ -347,9 +345,31 @@ struct Worker {
 }
 
 impl Worker {
+    pub(crate) fn new(
+        target: Arc<Model>,
+        drafts: bool,
+        drafter: Option<EngineDrafter>,
+        taps: TapSpec,
+        config: EngineConfig,
+        shared: Arc<Shared>,
+    ) -> Self {
+        Self {
+            drafts,
+            taps,
+            row_cost: RowCost::of(&target.config),
+            target,
+            drafter,
+            sched: Scheduler::new(config.policy, config.cost.clone()),
+            calib: OnlineCalibration::new(config.draft_len.max(1), OnlineConfig::default()),
+            config,
+            shared,
+            next_id: 0,
+        }
+    }
+
     fn run(&mut self, rx: mpsc::Receiver<Msg>) {
         let mut queue: VecDeque<(Request, Instant)> = VecDeque::new();
-        let mut running: Vec<Seq> = Vec::new();
+        let mut running: Vec<Seq<'static>> = Vec::new();
         let mut stopping = false;
         loop {
             if running.is_empty() && queue.is_empty() {
@@ -396,7 +416,7 @@ impl Worker {
         }
     }
 
-    fn retire(&self, running: &mut Vec<Seq>, gone: impl Fn(&Seq) -> bool) {
+    fn retire(&self, running: &mut Vec<Seq<'_>>, gone: impl Fn(&Seq<'_>) -> bool) {
         running.retain_mut(|s| {
             if !gone(s) {
                 return true;
@@ -419,7 +439,7 @@ impl Worker {
 
     /// Admits queued requests in arrival order while there is room in the running set and the
     /// KV budget.
-    fn admit(&mut self, queue: &mut VecDeque<(Request, Instant)>, running: &mut Vec<Seq>) {
+    fn admit(&mut self, queue: &mut VecDeque<(Request, Instant)>, running: &mut Vec<Seq<'static>>) {
         let context = self.target.config.context_length;
         while running.len() < self.config.max_running {
             let Some((req, _)) = queue.front() else { break };
@@ -448,31 +468,43 @@ impl Worker {
                 }
                 None => DraftState::None,
             };
-            let usage = Usage {
-                prompt_tokens: req.prompt.len(),
-                queue_s: arrived.elapsed().as_secs_f64(),
-                ..Default::default()
-            };
-            running.push(Seq {
-                context: req.prompt.clone(),
-                prompt_len: req.prompt.len(),
-                cache: self.target.new_cache(need),
-                reserved: need,
-                draft,
-                pending: TargetFeatures::default(),
-                rng: Sampler::new(seed),
-                usage,
-                finish: None,
-                failed: false,
-                req,
-            });
+            running.push(self.seq(req, arrived, need, draft));
         }
         self.shared.running.store(running.len(), Relaxed);
     }
 
+    /// A request's state on admission, `need` KV positions reserved.
+    pub(crate) fn seq<'d>(
+        &self,
+        req: Request,
+        arrived: Instant,
+        need: usize,
+        draft: DraftState<'d>,
+    ) -> Seq<'d> {
+        let usage = Usage {
+            prompt_tokens: req.prompt.len(),
+            queue_s: arrived.elapsed().as_secs_f64(),
+            ..Default::default()
+        };
+        Seq {
+            context: req.prompt.clone(),
+            prompt_len: req.prompt.len(),
+            cache: self.target.new_cache(need),
+            reserved: need,
+            draft,
+            pending: TargetFeatures::default(),
+            rng: Sampler::new(req.params.seed),
+            stats: SpecStats { prompt_tokens: req.prompt.len(), ..Default::default() },
+            usage,
+            finish: None,
+            failed: false,
+            req,
+        }
+    }
+
     /// One step: draft → schedule → verify (one forward, prefill chunks included) → accept →
     /// feed back.
-    fn step(&mut self, seqs: &mut [Seq]) -> Result<(), DraftError> {
+    pub(crate) fn step(&mut self, seqs: &mut [Seq<'_>]) -> Result<(), DraftError> {
         let decoding: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].decoding()).collect();
         for &i in &decoding {
             let s = &mut seqs[i];
@@ -481,8 +513,10 @@ impl Worker {
                 *begun = true;
             }
         }
-        let drafting = self.drafter.is_some() && !decoding.is_empty() && self.sched.should_draft();
+        let drafting = self.drafts && !decoding.is_empty() && self.sched.should_draft();
+        let t0 = Instant::now();
         let mut proposals = if drafting { self.draft(seqs, &decoding)? } else { vec![] };
+        let draft_s = t0.elapsed().as_secs_f64();
         proposals.resize(decoding.len(), Proposal::default());
         let survival: Vec<Vec<f32>> =
             decoding.iter().zip(&proposals).map(|(&i, p)| self.survival(&seqs[i], p)).collect();
@@ -503,11 +537,20 @@ impl Worker {
         for (seq, rows) in prefill_plan(&self.row_cost, self.config.prefill_chunk, &prefilling) {
             parts.push(Part::Prefill { seq, rows });
         }
+        let t0 = Instant::now();
         let outs = self.forward(seqs, &parts)?;
+        let forward_s = t0.elapsed().as_secs_f64();
         for (part, out) in parts.into_iter().zip(outs) {
             match part {
                 Part::Verify { seq, proposal, survival } => {
-                    self.accept(&mut seqs[seq], proposal, &survival, out)?
+                    let (t0, n) = (Instant::now(), proposal.len());
+                    let accepted = self.accept(&mut seqs[seq], proposal, &survival, out)?;
+                    let stats = &mut seqs[seq].stats;
+                    if n == 0 {
+                        stats.plain_steps += 1;
+                    } else {
+                        stats.record_round(n, accepted, draft_s, forward_s + t0.elapsed().as_secs_f64());
+                    }
                 }
                 Part::Prefill { seq, rows } => self.feed(&mut seqs[seq], out, rows, 0)?,
             }
@@ -516,11 +559,11 @@ impl Worker {
         Ok(())
     }
 
-    fn draft(&self, seqs: &mut [Seq], decoding: &[usize]) -> Result<Vec<Proposal>, DraftError> {
+    fn draft(&self, seqs: &mut [Seq<'_>], decoding: &[usize]) -> Result<Vec<Proposal>, DraftError> {
         let gamma = self.config.draft_len;
         let budgets: Vec<usize> = decoding.iter().map(|&i| seqs[i].budget(gamma)).collect();
-        let mut proposals = match self.drafter.as_ref().expect("drafting needs a drafter") {
-            EngineDrafter::Block(net) => {
+        let mut proposals = match &self.drafter {
+            Some(EngineDrafter::Block(net)) => {
                 for &i in decoding {
                     self.flush(&mut seqs[i])?;
                 }
@@ -534,7 +577,8 @@ impl Worker {
                     .collect();
                 propose_batch(net, &mut entries, gamma)?
             }
-            EngineDrafter::Each(_) => {
+            // Per-request drafters, made by the engine or lent by the caller.
+            _ => {
                 let mut out = Vec::with_capacity(decoding.len());
                 for (&i, &b) in decoding.iter().zip(&budgets) {
                     let s = &mut seqs[i];
@@ -562,15 +606,15 @@ impl Worker {
 
     /// Predicted prefix survival of each draft (1 for drafters without confidences, which only
     /// `fixed` accepts).
-    fn survival(&self, s: &Seq, p: &Proposal) -> Vec<f32> {
+    fn survival(&self, s: &Seq<'_>, p: &Proposal) -> Vec<f32> {
         match &p.confidence {
             Some(c) if self.config.online_calibration => self.calib.survival(s.req.tag.as_deref(), c),
             _ => p.survival().unwrap_or_else(|| vec![1.0; p.len()]),
         }
     }
 
-    fn forward(&self, seqs: &mut [Seq], parts: &[Part]) -> Result<Vec<SeqOutput>, DraftError> {
-        let tap = |n: usize| if self.drafter.is_some() { (0..n).collect() } else { Vec::new() };
+    fn forward(&self, seqs: &mut [Seq<'_>], parts: &[Part]) -> Result<Vec<SeqOutput>, DraftError> {
+        let tap = |n: usize| if self.drafts { (0..n).collect() } else { Vec::new() };
         let blocks: Vec<Vec<u32>> = parts
             .iter()
             .map(|p| match p {
@@ -602,11 +646,11 @@ impl Worker {
 
     fn accept(
         &mut self,
-        s: &mut Seq,
+        s: &mut Seq<'_>,
         proposal: Proposal,
         survival: &[f32],
         out: SeqOutput,
-    ) -> Result<(), DraftError> {
+    ) -> Result<usize, DraftError> {
         let v = self.target.vocab_size();
         let n = proposal.len();
         let params = &s.req.params.sampling;
@@ -645,14 +689,14 @@ impl Worker {
         if !emit.is_empty() {
             s.send(Event::Tokens { tokens: emit, logprobs });
         }
-        Ok(())
+        Ok(verdict.accepted)
     }
 
     /// Hands the drafter the target's hidden states of the first `rows` rows that entered the
     /// cache (a prefill chunk, or a verify block's anchor and `accepted` drafts). A per-request
     /// drafter observes every round, as its trait asks; before it has begun, its prompt's rows
     /// wait for `begin`.
-    fn feed(&self, s: &mut Seq, out: SeqOutput, rows: usize, accepted: usize) -> Result<(), DraftError> {
+    fn feed(&self, s: &mut Seq<'_>, out: SeqOutput, rows: usize, accepted: usize) -> Result<(), DraftError> {
         let d = self.target.config.hidden;
         match &mut s.draft {
             DraftState::None => {}
@@ -673,7 +717,7 @@ impl Worker {
     }
 
     /// Hands a block drafter every pending row.
-    fn flush(&self, s: &mut Seq) -> Result<(), DraftError> {
+    fn flush(&self, s: &mut Seq<'_>) -> Result<(), DraftError> {
         if let (Some(EngineDrafter::Block(net)), DraftState::Block(d), true) =
             (&self.drafter, &mut s.draft, s.pending.rows > 0)
         {

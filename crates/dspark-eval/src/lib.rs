@@ -19,7 +19,7 @@ pub enum EvalError {
     #[error(transparent)]
     Hub(#[from] dspark_hub::HubError),
     #[error(transparent)]
-    Spec(#[from] dspark_spec::SpecError),
+    Spec(#[from] dspark_engine::SpecError),
     #[error(transparent)]
     Decode(#[from] dspark_decode::DecodeError),
     #[error("{0}")]

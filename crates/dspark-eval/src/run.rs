@@ -4,9 +4,10 @@ use crate::benchmarks::Benchmark;
 use crate::report::{DrafterResult, Report};
 use crate::EvalError;
 use dspark_decode::{generate, GenerateParams};
+use dspark_engine::{generate as generate_spec, SpecParams};
 use dspark_model::Model;
 use dspark_sampling::SamplingParams;
-use dspark_spec::{generate_spec, Drafter, SpecParams, SpecStats};
+use dspark_spec::{Drafter, SpecStats};
 use dspark_train::calibrate::Recorder;
 
 #[derive(Debug, Clone)]
@@ -32,7 +33,7 @@ pub struct EvalDrafter {
 
 /// Runs one drafter on one prompt; returns its tokens and statistics.
 fn run_spec(
-    target: &Model,
+    target: &std::sync::Arc<Model>,
     d: &mut EvalDrafter,
     prompt: &[u32],
     gamma: usize,
@@ -66,7 +67,7 @@ fn run_spec(
 /// Greedy runs fail with [`EvalError::NotLossless`] as soon as a drafter's output differs from
 /// plain decoding's.
 pub fn evaluate(
-    target: &Model,
+    target: &std::sync::Arc<Model>,
     benches: &[Benchmark],
     drafters: &mut [EvalDrafter],
     cfg: &EvalConfig,

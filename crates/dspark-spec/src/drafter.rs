@@ -130,6 +130,38 @@ pub trait Drafter: Send {
     fn observe(&mut self, context: &[u32], accepted: usize, features: &TargetFeatures) -> DraftResult<()>;
 }
 
+/// A borrowed drafter drafts like the drafter: a caller can lend its drafter to a loop that owns
+/// its drafters, and read the drafter's state afterwards.
+impl<D: Drafter + ?Sized> Drafter for &mut D {
+    fn name(&self) -> String {
+        (**self).name()
+    }
+
+    fn fork(&self) -> Option<Box<dyn Drafter>> {
+        (**self).fork()
+    }
+
+    fn has_confidence(&self) -> bool {
+        (**self).has_confidence()
+    }
+
+    fn taps(&self) -> TapSpec {
+        (**self).taps()
+    }
+
+    fn begin(&mut self, prompt: &[u32], features: &TargetFeatures, seed: u64) -> DraftResult<()> {
+        (**self).begin(prompt, features, seed)
+    }
+
+    fn propose(&mut self, context: &[u32], max_len: usize, params: &SamplingParams) -> DraftResult<Proposal> {
+        (**self).propose(context, max_len, params)
+    }
+
+    fn observe(&mut self, context: &[u32], accepted: usize, features: &TargetFeatures) -> DraftResult<()> {
+        (**self).observe(context, accepted, features)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,14 +1,15 @@
 //! Lossless speculative decoding: the [`Drafter`] trait every method implements, exact
-//! verification that knows nothing about drafters, the decode loop and its statistics.
+//! verification that knows nothing about drafters, what a round commits, and its statistics.
+//! The decode loop itself is `dspark-engine`'s, for one request as for many.
 
+pub mod commit;
 pub mod drafter;
-pub mod engine;
+pub mod gate;
 pub mod stats;
 pub mod verify;
 
+pub use commit::{append_features, apply_stops, wants};
 pub use drafter::{DraftDist, DraftError, DraftResult, Drafter, Proposal, TargetFeatures};
-pub use engine::{
-    append_features, apply_stops, generate_spec, wants, Gate, SpecError, SpecParams, SpecRun, SpecSequence,
-};
+pub use gate::Gate;
 pub use stats::SpecStats;
 pub use verify::{verify, Verdict};

@@ -3,9 +3,10 @@
 #![allow(dead_code)]
 
 use dspark_decode::{generate, GenerateParams};
+use dspark_engine::{generate as generate_spec, SpecParams};
 use dspark_model::Model;
 use dspark_sampling::SamplingParams;
-use dspark_spec::{generate_spec, Drafter, SpecParams};
+use dspark_spec::Drafter;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -69,7 +70,7 @@ pub fn plain(m: &Model, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
 }
 
 pub fn spec(
-    m: &Model,
+    m: &std::sync::Arc<Model>,
     d: &mut dyn Drafter,
     prompt: &[u32],
     max_tokens: usize,
