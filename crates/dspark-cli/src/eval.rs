@@ -97,14 +97,14 @@ pub fn run(a: EvalArgs) -> Result<()> {
             .build(&target, &name)?
             .with_context(|| format!("{dname}: `{spec}` is plain decoding, not a drafter"))?;
         let (mut temps, mut sweep_max) = (None, None);
-        if let Some((kind @ ("dspark" | "dflash" | "eagle3"), dir)) = spec.split_once(':') {
-            let c = dspark_drafter_models::read_config(std::path::Path::new(dir))?;
+        if let dspark_drafters::DrafterSpec::Network(method, dir) = spec.parse()? {
+            let c = dspark_drafter_models::read_config(&dir)?;
             gamma = gamma.min(c.gamma());
             if c.ext().confidence {
                 let t = c.ext().calibration_temperatures.unwrap_or_default();
                 temps = Some((0..gamma).map(|k| t.get(k).map_or(1.0, |&x| x as f64)).collect());
             }
-            if kind != "eagle3" {
+            if method != dspark_drafter_models::Method::Eagle3 {
                 sweep_max = Some(c.gamma());
             }
         }

@@ -270,10 +270,10 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
             }
         }
     };
-    let (tokens, finish, stats) = match drafter {
+    let (tokens, finish, plain_stats, spec_stats) = match drafter {
         None => {
             let g = generate(&model, &prompt, &params, &mut emit)?;
-            (g.tokens, g.finish, serde_json::to_value(&g.stats)?)
+            (g.tokens, g.finish, Some(g.stats), None)
         }
         Some((mut d, gamma)) => {
             let sp = SpecParams {
@@ -285,11 +285,16 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
                 min_survival: a.spec.min_survival,
             };
             let r = generate_spec(&model, d.as_mut(), &prompt, &sp, &mut emit)?;
-            (r.tokens, r.finish, r.stats.to_json())
+            (r.tokens, r.finish, None, Some(r.stats))
         }
     };
     let text = model.tokenizer.decode(&tokens)?;
     if a.json {
+        let stats = match (&plain_stats, &spec_stats) {
+            (Some(g), _) => serde_json::to_value(g)?,
+            (_, Some(s)) => s.to_json(),
+            (None, None) => unreachable!("one of the two ran"),
+        };
         let out = serde_json::json!({
             "text": text,
             "tokens": tokens,
@@ -300,34 +305,31 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         println!("{out}");
     } else {
         println!();
-        let s = &stats;
+        let (prompt_tokens, prefill_s, generated, tok_s) = match (&plain_stats, &spec_stats) {
+            (Some(g), _) => (g.prompt_tokens, g.prefill_s, g.generated_tokens, g.decode_tok_s),
+            (_, Some(s)) => (s.prompt_tokens, s.prefill_s, s.generated_tokens, s.decode_tok_s()),
+            (None, None) => unreachable!("one of the two ran"),
+        };
         let mut line = format!(
-            "[{} prompt tokens in {:.2}s, {} generated, {:.1} tok/s decode",
-            s["prompt_tokens"],
-            s["prefill_s"].as_f64().unwrap_or(0.0),
-            s["generated_tokens"],
-            s["decode_tok_s"].as_f64().unwrap_or(0.0)
+            "[{prompt_tokens} prompt tokens in {prefill_s:.2}s, {generated} generated, {tok_s:.1} tok/s decode"
         );
-        if let Some(tau) = s.get("tau").and_then(|t| t.as_f64()) {
-            line += &format!(", τ {tau:.2}");
+        if let Some(s) = &spec_stats {
+            line += &format!(", τ {:.2}", s.tau());
         }
         eprintln!("{line}]");
-        let plain_steps = s.get("plain_steps").and_then(|v| v.as_u64()).unwrap_or(0);
-        if plain_steps > 0 && a.spec.drafter == "auto" {
+        if let Some(s) = spec_stats.as_ref().filter(|s| s.plain_steps > 0 && a.spec.drafter == "auto") {
             eprintln!(
-                "[auto: {plain_steps} of {} steps decoded plainly: no prompt-lookup match, and the \
+                "[auto: {} of {} steps decoded plainly: no prompt-lookup match, and the \
                  model drafter (if any) did not pay here (probed again now and then); --drafter \
                  DIR or NAME forces drafting]",
-                plain_steps + s["rounds"].as_u64().unwrap_or(0)
+                s.plain_steps,
+                s.plain_steps + s.rounds
             );
         }
-        if a.compare && s.get("tau").is_some() {
+        if let (true, Some(s)) = (a.compare, &spec_stats) {
             let g = generate(&model, &prompt, &params, |_| {})?;
-            let spec_tok_s = s["decode_tok_s"].as_f64().unwrap_or(0.0);
-            let acc: Vec<String> = s["accept_at"]
-                .as_array()
-                .map(|v| v.iter().map(|x| format!("{:.2}", x.as_f64().unwrap_or(0.0))).collect())
-                .unwrap_or_default();
+            let spec_tok_s = s.decode_tok_s();
+            let acc: Vec<String> = s.accept_at().iter().map(|x| format!("{x:.2}")).collect();
             eprintln!(
                 "[plain decoding {:.1} tok/s | speculative {:.1} tok/s = {:.2}× | acceptance per position {} | {}]",
                 g.stats.decode_tok_s,

@@ -152,6 +152,15 @@ impl EngineHandle {
     }
 }
 
+/// Why a step failed: the target's forward (or its cache), or the drafter.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    #[error("target model: {0}")]
+    Target(#[from] dspark_model::ModelError),
+    #[error("drafter: {0}")]
+    Draft(#[from] DraftError),
+}
+
 /// What drafts for the engine's requests.
 pub enum EngineDrafter {
     /// DFlash or DSpark: one backbone pass and one LM-head product draft for every decoding
@@ -504,7 +513,7 @@ impl Worker {
 
     /// One step: draft → schedule → verify (one forward, prefill chunks included) → accept →
     /// feed back.
-    pub(crate) fn step(&mut self, seqs: &mut [Seq<'_>]) -> Result<(), DraftError> {
+    pub(crate) fn step(&mut self, seqs: &mut [Seq<'_>]) -> Result<(), StepError> {
         let decoding: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].decoding()).collect();
         for &i in &decoding {
             let s = &mut seqs[i];
@@ -613,7 +622,7 @@ impl Worker {
         }
     }
 
-    fn forward(&self, seqs: &mut [Seq<'_>], parts: &[Part]) -> Result<Vec<SeqOutput>, DraftError> {
+    fn forward(&self, seqs: &mut [Seq<'_>], parts: &[Part]) -> Result<Vec<SeqOutput>, StepError> {
         let tap = |n: usize| if self.drafts { (0..n).collect() } else { Vec::new() };
         let blocks: Vec<Vec<u32>> = parts
             .iter()
@@ -650,7 +659,7 @@ impl Worker {
         proposal: Proposal,
         survival: &[f32],
         out: SeqOutput,
-    ) -> Result<usize, DraftError> {
+    ) -> Result<usize, StepError> {
         let v = self.target.vocab_size();
         let n = proposal.len();
         let params = &s.req.params.sampling;
@@ -696,7 +705,7 @@ impl Worker {
     /// cache (a prefill chunk, or a verify block's anchor and `accepted` drafts). A per-request
     /// drafter observes every round, as its trait asks; before it has begun, its prompt's rows
     /// wait for `begin`.
-    fn feed(&self, s: &mut Seq<'_>, out: SeqOutput, rows: usize, accepted: usize) -> Result<(), DraftError> {
+    fn feed(&self, s: &mut Seq<'_>, out: SeqOutput, rows: usize, accepted: usize) -> Result<(), StepError> {
         let d = self.target.config.hidden;
         match &mut s.draft {
             DraftState::None => {}

@@ -2,13 +2,13 @@
 //! `bench decode`, `eval` and calibration run. The caller lends its drafter, so it can read the
 //! drafter's state afterwards; the loop is the serving engine's, batch 1.
 
-use crate::engine::{DraftState, EngineConfig, Shared, Worker};
+use crate::engine::{DraftState, EngineConfig, Shared, StepError, Worker};
 use crate::request::{Event, Request, RequestParams};
 use dspark_decode::FinishReason;
 use dspark_model::{Model, ModelError};
 use dspark_sampling::{SamplingError, SamplingParams};
 use dspark_schedule::{CostTable, Policy};
-use dspark_spec::{DraftError, Drafter, SpecStats};
+use dspark_spec::{Drafter, SpecStats};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -17,7 +17,7 @@ pub enum SpecError {
     #[error(transparent)]
     Model(#[from] ModelError),
     #[error(transparent)]
-    Draft(#[from] DraftError),
+    Step(#[from] StepError),
     #[error(transparent)]
     Sampling(#[from] SamplingError),
     #[error(transparent)]

@@ -11,7 +11,7 @@ mod request;
 
 pub use dspark_decode::FinishReason;
 pub use engine::{log_probs, prefill_plan, RowCost};
-pub use engine::{spawn, EngineConfig, EngineDrafter, EngineHandle, Shared};
+pub use engine::{spawn, EngineConfig, EngineDrafter, EngineHandle, Shared, StepError};
 pub use generate::{generate, SpecError, SpecParams, SpecRun};
 pub use profile::profile;
 pub use request::{Event, Request, RequestParams, SubmitError, TokenLogprob, Usage, MAX_TOP_LOGPROBS};
