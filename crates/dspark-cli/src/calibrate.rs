@@ -3,9 +3,10 @@
 use crate::ModelArg;
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use dspark_drafters::Recorder;
 use dspark_engine::{generate as generate_spec, SpecParams};
 use dspark_sampling::SamplingParams;
-use dspark_train::calibrate::{fit_held_out, reliability_svg, Recorder, MIN_LABELS};
+use dspark_schedule::calibration::{fit_held_out, reliability_svg, MIN_LABELS};
 use std::path::PathBuf;
 use std::sync::Arc;
 

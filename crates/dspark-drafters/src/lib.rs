@@ -5,12 +5,14 @@ mod block;
 mod draft_model;
 mod eagle3;
 mod ngram;
+mod recorder;
 
 pub use auto::AutoDrafter;
 pub use block::{propose_batch, BatchEntry, BlockDrafter, BlockSeq};
 pub use draft_model::DraftModel;
 pub use eagle3::Eagle3Drafter;
 pub use ngram::NgramDrafter;
+pub use recorder::Recorder;
 
 use dspark_drafter_models::{DrafterError, Method};
 use dspark_model::Model;

@@ -326,7 +326,8 @@ impl Report {
         )?;
         for d in self.drafters.iter().filter(|d| d.temps.is_some() && !d.rounds.is_empty()) {
             let f = format!("reliability-{}.svg", d.name);
-            let svg = dspark_train::calibrate::reliability_svg(&d.rounds, d.temps.as_ref().unwrap(), &d.name);
+            let svg =
+                dspark_schedule::calibration::reliability_svg(&d.rounds, d.temps.as_ref().unwrap(), &d.name);
             std::fs::write(dir.join(&f), svg)?;
             files.push(f);
         }

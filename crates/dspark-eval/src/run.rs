@@ -4,11 +4,11 @@ use crate::benchmarks::Benchmark;
 use crate::report::{DrafterResult, Report};
 use crate::EvalError;
 use dspark_decode::{generate, GenerateParams};
+use dspark_drafters::Recorder;
 use dspark_engine::{generate as generate_spec, SpecParams};
 use dspark_model::Model;
 use dspark_sampling::SamplingParams;
 use dspark_spec::{Drafter, SpecStats};
-use dspark_train::calibrate::Recorder;
 
 #[derive(Debug, Clone)]
 pub struct EvalConfig {

@@ -2,7 +2,6 @@
 //! checkpoints, calibration.
 
 pub mod blocks;
-pub mod calibrate;
 pub mod checkpoint;
 pub mod data;
 pub mod features;
