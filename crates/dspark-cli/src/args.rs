@@ -1,0 +1,245 @@
+//! Argument types and loaders shared by several commands: the target model, the drafter
+//! (`--drafter`, parsed once by `DrafterSpec`), and a fresh drafter's shape.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use dspark_drafter_models::{BlockLayout, InitOptions, Method};
+use dspark_drafters::{DraftModel, DrafterSpec, NgramDrafter};
+use dspark_model::Model;
+use dspark_spec::Drafter;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Args, Clone)]
+pub struct ModelArg {
+    /// A known model name (fetched on first use) or a path to a .gguf / Hugging Face directory.
+    #[arg(long, short, default_value = dspark_hub::DEFAULT_MODEL)]
+    pub model: String,
+}
+
+impl ModelArg {
+    /// The name a drafter records for its target: the registry name, or the file's stem.
+    pub fn name(&self) -> String {
+        let p = std::path::Path::new(&self.model);
+        if p.exists() {
+            p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| self.model.clone())
+        } else {
+            self.model.clone()
+        }
+    }
+
+    pub fn load(&self) -> Result<Model> {
+        let path = dspark_hub::resolve(&self.model, true)?;
+        Model::load(&path).with_context(|| format!("loading {}", path.display()))
+    }
+}
+
+#[derive(Args, Clone)]
+pub struct DrafterArgs {
+    /// Speculative drafter: `auto` (prompt lookup where it matches, and the DSpark drafter shipped
+    /// in drafters/ for this model, if any, only while it pays), `none` (plain decoding), `ngram`
+    /// (prompt lookup),
+    /// `draft:MODEL` (a small model with the same tokenizer, e.g. draft:qwen2.5-coder-0.5b), or a
+    /// drafter checkpoint folder as `dspark:PATH`, `dflash:PATH` or `eagle3:PATH` (see
+    /// `dspark init-drafter`). The output is the same as plain decoding either way.
+    #[arg(long, default_value = "auto")]
+    pub drafter: String,
+    /// γ: the most tokens drafted per round. Default: 3 for ngram and draft models (measured
+    /// best on two cores; see docs/BENCHMARKS.md), the checkpoint's block for network drafters.
+    #[arg(long)]
+    pub draft_len: Option<usize>,
+    /// Verify only the drafts whose predicted prefix survival (product of a DSpark drafter's
+    /// calibrated confidences) is at least this; 0 verifies all γ. Output unchanged either way.
+    #[arg(long, default_value_t = 0.0)]
+    pub min_survival: f32,
+}
+
+impl DrafterArgs {
+    /// The drafter and γ; `None` for plain decoding.
+    pub fn build(&self, target: &Arc<Model>, target_name: &str) -> Result<Option<(Box<dyn Drafter>, usize)>> {
+        if self.draft_len == Some(0) {
+            bail!("--draft-len must be at least 1; use --drafter none for plain decoding");
+        }
+        if !(0.0..=1.0).contains(&self.min_survival) {
+            bail!("--min-survival must be between 0 and 1 (got {})", self.min_survival);
+        }
+        let gamma = self.draft_len.unwrap_or(3);
+        Ok(match self.drafter.parse::<DrafterSpec>()? {
+            DrafterSpec::Auto => {
+                // Prompt lookup wherever it matches, the shipped DSpark drafter while it pays.
+                let (model, block) = match shipped_drafter(target_name) {
+                    Some(dir) => {
+                        let d = dspark_drafters::load_network_drafter(
+                            Method::Dspark,
+                            &dir,
+                            target.clone(),
+                            target_name,
+                        )?;
+                        (Some(d), dspark_drafter_models::read_config(&dir)?.gamma())
+                    }
+                    None => (None, gamma),
+                };
+                let auto = dspark_drafters::AutoDrafter::new(model, gamma);
+                Some((Box::new(auto), self.draft_len.unwrap_or(block.max(gamma))))
+            }
+            DrafterSpec::None => None,
+            DrafterSpec::Ngram => Some((Box::new(NgramDrafter::default()), gamma)),
+            DrafterSpec::DraftModel(name) => {
+                let model = ModelArg { model: name.clone() }.load()?;
+                Some((Box::new(DraftModel::new(model, &name, target)?), gamma))
+            }
+            DrafterSpec::Network(method, dir) => {
+                let d = dspark_drafters::load_network_drafter(method, &dir, target.clone(), target_name)?;
+                let block = dspark_drafter_models::read_config(&dir)?.gamma();
+                Some((d, self.draft_len.unwrap_or(block)))
+            }
+        })
+    }
+}
+
+/// The DSpark drafter shipped with the repository for a target name, if there is one.
+pub fn shipped_drafter(target_name: &str) -> Option<PathBuf> {
+    let dir = dspark_hub::drafters_dir()?.join(format!("{target_name}-dspark-markov"));
+    dir.join("config.json").exists().then_some(dir)
+}
+
+/// `raw` text is parsed for special tokens (the caller writes the markup); a chat prompt is one
+/// user turn whose text never becomes control tokens.
+pub fn prompt_tokens(model: &Model, text: &str, raw: bool) -> Result<Vec<u32>> {
+    if raw {
+        Ok(model.tokenizer.encode(text, true)?)
+    } else {
+        Ok(model.chat_tokens(text)?)
+    }
+}
+
+/// How a fresh drafter is built (shared by `init-drafter` and `train`).
+#[derive(Args, Clone)]
+pub struct InitOpts {
+    /// dspark (backbone + sequential + confidence heads), dflash (backbone only) or eagle3.
+    #[arg(long, default_value = "dspark")]
+    method: String,
+    /// Draft decoder layers (EAGLE-3 always has one). One keeps drafting cheap on CPUs.
+    #[arg(long, default_value_t = 1)]
+    layers: usize,
+    /// Width of each draft layer's MLP (default: the target's). Narrower makes a smaller,
+    /// faster drafter; say 4096 for Qwen2.5-Coder-1.5B to keep its checkpoint under 80 MB in bf16.
+    #[arg(long)]
+    intermediate: Option<usize>,
+    /// γ: tokens drafted per round.
+    #[arg(long, default_value_t = 7)]
+    block: usize,
+    /// Rank r of DSpark's sequential head (W1: vocab × r, W2: draft vocab × r).
+    #[arg(long, default_value_t = 64)]
+    markov_rank: usize,
+    /// DSpark's sequential head: markov or rnn.
+    #[arg(long, default_value = "markov")]
+    head: String,
+    /// Reduced draft vocabulary: the V_d most frequent target tokens (frequencies from
+    /// --vocab-from, else the tokenizer's merge order). Cuts the drafter's LM-head cost; drafts stay
+    /// exact because verification sees the full-vocabulary distribution (zero outside).
+    #[arg(long)]
+    draft_vocab: Option<usize>,
+    /// Text or JSONL file whose tokens decide which tokens make the draft vocabulary (regenerated
+    /// training data works: its `tokens` are counted directly).
+    #[arg(long)]
+    vocab_from: Option<PathBuf>,
+    /// Target layers whose hidden states the drafter reads, comma-separated (default: DFlash's
+    /// spread, five layers over [1, N−3]; three for EAGLE-3).
+    #[arg(long, value_delimiter = ',')]
+    target_layers: Option<Vec<usize>>,
+    /// The MASK token id of the block (default: an unused special token of the target).
+    #[arg(long)]
+    mask_token: Option<u32>,
+    /// Block layout: dspark (γ inputs → γ drafts) or dflash (the original: γ+1 inputs).
+    #[arg(long)]
+    layout: Option<String>,
+    /// Standard deviation of the random weights.
+    #[arg(long, default_value_t = 0.02)]
+    init_std: f32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+fn token_counts(model: &Model, path: &std::path::Path) -> Result<std::collections::HashMap<u32, u64>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut counts = std::collections::HashMap::new();
+    for line in text.lines() {
+        // JSONL: every string value of the record; plain text: the line itself.
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
+            if let Some(toks) = v["tokens"].as_array() {
+                let start = v["prompt_len"].as_u64().unwrap_or(0) as usize;
+                for t in toks.iter().skip(start).filter_map(|t| t.as_u64()) {
+                    *counts.entry(t as u32).or_insert(0) += 1;
+                }
+                continue;
+            }
+        }
+        let pieces: Vec<String> = match serde_json::from_str::<serde_json::Value>(line) {
+            Ok(serde_json::Value::Object(o)) => {
+                o.values().filter_map(|v| v.as_str().map(str::to_string)).collect()
+            }
+            _ => vec![line.to_string()],
+        };
+        for p in pieces {
+            for t in model.tokenizer.encode(&p, false)? {
+                *counts.entry(t).or_insert(0) += 1;
+            }
+        }
+    }
+    Ok(counts)
+}
+
+/// Builds and saves a fresh drafter for `target`.
+pub fn init_drafter(
+    target: Arc<Model>,
+    target_name: &str,
+    a: &InitOpts,
+    out: &std::path::Path,
+) -> Result<()> {
+    let method: Method = a.method.parse()?;
+    let draft_vocab = match a.draft_vocab {
+        None => None,
+        Some(n) => {
+            let counts = match &a.vocab_from {
+                Some(p) => token_counts(&target, p)?,
+                None => Default::default(),
+            };
+            Some(dspark_drafter_models::frequent_tokens(&target, &counts, n)?)
+        }
+    };
+    // DFlash keeps its original block layout unless told otherwise; DSpark uses its own.
+    let layout = match a.layout.as_deref() {
+        None if method == Method::Dflash => BlockLayout::Dflash,
+        None | Some("dspark") => BlockLayout::Dspark,
+        Some("dflash") => BlockLayout::Dflash,
+        Some(other) => bail!("unknown layout `{other}`; use dspark or dflash"),
+    };
+    let o = InitOptions {
+        method,
+        layers: a.layers,
+        intermediate: a.intermediate,
+        gamma: a.block,
+        head: a.head.parse()?,
+        rank: a.markov_rank,
+        draft_vocab,
+        target_layers: a.target_layers.clone(),
+        mask_token: a.mask_token,
+        layout,
+        std: a.init_std,
+        seed: a.seed,
+    };
+    let net = dspark_drafter_models::init(target, target_name, &o)?;
+    net.save(out)?;
+    let c = net.config();
+    eprintln!(
+        "wrote {} drafter to {} (target layers {:?}, γ {}, draft vocabulary {}{})",
+        method,
+        out.display(),
+        c.target_layer_ids,
+        c.gamma(),
+        c.draft_vocab(),
+        c.mask_token_id.map(|m| format!(", MASK id {m}")).unwrap_or_default()
+    );
+    Ok(())
+}
