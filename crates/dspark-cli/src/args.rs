@@ -91,9 +91,21 @@ impl DrafterArgs {
             DrafterSpec::Network(method, dir) => {
                 let d = dspark_drafters::load_network_drafter(method, &dir, target.clone(), target_name)?;
                 let block = dspark_drafter_models::read_config(&dir)?.gamma();
-                Some((d, self.draft_len.unwrap_or(block)))
+                Some((d, block_gamma(self.draft_len, block)?))
             }
         })
+    }
+}
+
+/// γ for a drafter that drafts blocks of `block` tokens: the block unless asked for fewer; more
+/// is an error (the same for every command).
+pub fn block_gamma(draft_len: Option<usize>, block: usize) -> Result<usize> {
+    match draft_len {
+        Some(g) if g > block => {
+            bail!("--draft-len {g} exceeds the drafter's block of {block} tokens; use at most {block}")
+        }
+        Some(g) => Ok(g),
+        None => Ok(block),
     }
 }
 

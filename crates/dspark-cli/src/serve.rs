@@ -62,7 +62,7 @@ impl ServeDrafter {
                 );
                 match net {
                     DrafterNet::Block(m) => {
-                        let gamma = self.draft_len.unwrap_or(m.gamma()).min(m.gamma());
+                        let gamma = crate::args::block_gamma(self.draft_len, m.gamma())?;
                         Ok(Some((EngineDrafter::Block(Arc::new(m)), name, gamma)))
                     }
                     DrafterNet::Eagle3(_) => unreachable!("the method was checked"),

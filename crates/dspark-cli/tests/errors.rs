@@ -99,6 +99,12 @@ fn bad_drafter_checkpoints_and_options() {
     // A DFlash checkpoint asked for as DSpark, and a garbled config.
     assert!(dspark(&["init-drafter", "--method", "dflash", "--block", "3", "--out", o]).status.success());
     fails_with(&["generate", "--prompt", "hi", "--drafter", &format!("dspark:{o}")], "is a dflash drafter");
+    // γ beyond the block is refused the same way by every command.
+    let dflash = format!("dflash:{o}");
+    let too_long = "exceeds the drafter's block of 3 tokens";
+    fails_with(&["generate", "--prompt", "hi", "--drafter", &dflash, "--draft-len", "5"], too_long);
+    fails_with(&["serve", "--drafter", &dflash, "--draft-len", "5"], too_long);
+    fails_with(&["serve", "--drafter", "draft:"], "names no model");
     std::fs::write(out.join("config.json"), "{not json").unwrap();
     fails_with(&["generate", "--prompt", "hi", "--drafter", &format!("dflash:{o}")], "config.json");
 }

@@ -90,7 +90,7 @@ impl std::str::FromStr for DrafterSpec {
             ("dspark" | "dflash" | "eagle3", p) => Self::Network(kind.parse()?, p.into()),
             _ => {
                 return Err(DrafterError::Config(format!(
-                    "unknown drafter `{s}`; use auto, none, ngram, draft:MODEL, dspark:PATH, dflash:PATH or eagle3:PATH"
+                    "unknown drafter `{kind}`; use auto, none, ngram, draft:MODEL, dspark:PATH, dflash:PATH or eagle3:PATH"
                 )))
             }
         })
