@@ -72,18 +72,18 @@ fn tau_and_per_position_acceptance_match_a_planted_pattern() {
     let cfg = EvalConfig { max_tokens: 30, sampling: SamplingParams::default(), seed: 0, sweep: vec![] };
     let r = evaluate(&m, &[bench], &mut drafters, &cfg, |_| {}).unwrap();
     let d = &r.drafters[0];
-    // 30 tokens in rounds of 2 accepted + 1 correction: 10 rounds, τ = 3; position 3 (the
-    // planted wrong token, the last drafted) always rejected.
+    // The prefill yields the first token; the other 29 come in rounds of 2 accepted + 1
+    // correction (9 rounds, 27 tokens), then a round with room for one draft (right) and the
+    // bonus: 10 rounds, τ = 29 / 10; position 3 (the planted wrong token) always rejected.
     let s = &d.per_bench[0];
-    assert_eq!((s.rounds, s.accepted, s.generated_tokens), (10, 20, 30));
-    assert!((d.macro_tau() - 3.0).abs() < 1e-12);
+    assert_eq!((s.rounds, s.accepted, s.generated_tokens, s.plain_steps), (10, 19, 30, 0));
+    assert!((d.macro_tau() - 2.9).abs() < 1e-12, "{}", d.macro_tau());
     assert_eq!(s.accept_at(), vec![1.0, 1.0, 0.0]);
-    // The last round has room for two drafts only: both right, plus the bonus.
-    assert_eq!((s.drafted, s.reached_at.clone()), (29, vec![10, 10, 9]));
+    assert_eq!((s.drafted, s.reached_at.clone()), (28, vec![10, 9, 9]));
     let json = r.to_json("test", "smollm2-135m");
-    assert_eq!(json["drafters"]["planted"]["tau"]["story"], 3.0);
+    assert_eq!(json["drafters"]["planted"]["tau"]["story"], 2.9);
     assert_eq!(json["drafters"]["planted"]["accept_at"]["chat"], serde_json::json!([1.0, 1.0, 0.0]));
-    assert!(r.tau_md().contains("| planted (4) | 3.000 | **3.000** |"), "{}", r.tau_md());
+    assert!(r.tau_md().contains("| planted (4) | 2.900 | **2.900** |"), "{}", r.tau_md());
 }
 
 #[test]

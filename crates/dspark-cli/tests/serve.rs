@@ -443,8 +443,9 @@ fn per_request_drafter(t: &Arc<Model>, kind: &str) -> dspark_engine::EngineDraft
     dspark_engine::EngineDrafter::Each(d)
 }
 
-/// Submits `n` sampled two-token requests sharing `prompt` and checks the first committed token,
-/// and the second given the most common first, against the target's distributions (χ²).
+/// Submits `n` sampled three-token requests sharing `prompt` and checks the first committed
+/// token (the prefill's), and the second (drafted) given the most common first, against the
+/// target's distributions (χ²).
 /// Returns the drafts accepted.
 fn check_target_distribution(
     t: &Arc<Model>,
@@ -463,7 +464,9 @@ fn check_target_distribution(
         .map(|i| {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
             let params = RequestParams {
-                max_tokens: 2,
+                // The first token comes from the prefill; the second is the first that can be
+                // drafted, with room for one draft.
+                max_tokens: 3,
                 sampling,
                 seed: 1000 + i as u64,
                 stop_tokens: vec![],
@@ -487,7 +490,7 @@ fn check_target_distribution(
                 Event::Error(e) => panic!("{e}"),
             }
         }
-        assert_eq!(toks.len(), 2);
+        assert_eq!(toks.len(), 3);
         pairs.push((toks[0], toks[1]));
     }
     let dist = |ctx: &[u32]| {

@@ -219,7 +219,10 @@ fn auto_stops_asking_a_drafter_that_does_not_pay_and_keeps_the_output() {
             d.empty_rounds,
             d.model_rounds
         );
-        assert_eq!(r.stats.plain_steps, d.empty_rounds);
+        // Every plain step is one the drafter proposed nothing for, except a last step at
+        // max_tokens, where the loop asks for no drafts.
+        let untimed = r.stats.plain_steps - d.empty_rounds;
+        assert!(untimed <= 1, "{} plain steps, {} empty rounds", r.stats.plain_steps, d.empty_rounds);
         // Fed rows never exceed what entered the cache.
         let fed = fed.load(std::sync::atomic::Ordering::SeqCst);
         assert!(fed <= prompt.len() - 1 + r.tokens.len(), "fed {fed}");

@@ -14,6 +14,8 @@ enum Source {
     Lookup,
     Model,
     Nothing,
+    /// No proposal was asked for this round.
+    Untimed,
 }
 
 pub struct AutoDrafter {
@@ -107,9 +109,13 @@ impl Drafter for AutoDrafter {
     }
 
     fn observe(&mut self, context: &[u32], accepted: usize, features: &TargetFeatures) -> DraftResult<()> {
-        let (source, t0) = self.round.take().unwrap_or((Source::Nothing, Instant::now()));
         // A round's time runs from its proposal to this call: drafting, verification, acceptance.
-        let seconds = t0.elapsed().as_secs_f64();
+        // A round the loop did not ask for drafts (the first, or one at the end of max_tokens)
+        // was not timed and teaches the gates nothing.
+        let (source, seconds) = match self.round.take() {
+            Some((source, t0)) => (source, t0.elapsed().as_secs_f64()),
+            None => (Source::Untimed, 0.0),
+        };
         match source {
             Source::Model => {
                 self.model_rounds += 1;
@@ -121,6 +127,7 @@ impl Drafter for AutoDrafter {
                 self.lookup_gate.record(false, 1, seconds);
             }
             Source::Lookup => self.lookup_gate.record(true, accepted + 1, seconds),
+            Source::Untimed => {}
         }
         self.lookup.observe(context, accepted, features)?;
         if let Some(m) = &mut self.model {

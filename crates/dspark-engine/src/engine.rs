@@ -314,8 +314,15 @@ impl Seq<'_> {
         self.cache.len() + 1 >= self.prompt_len
     }
 
-    /// Drafts this request may verify this step: γ, less near `max_tokens` or the cache's end.
+    /// Drafts this request may verify this step: γ, less near `max_tokens` or the cache's end,
+    /// and none in its first step. That step verifies the last prompt token alone and commits
+    /// the token sampled from it, which becomes the first anchor with the whole prompt as
+    /// context: what the drafter saw in training and what DeepSpec's evaluator does (the prompt's
+    /// last token is never an anchor).
     fn budget(&self, gamma: usize) -> usize {
+        if self.context.len() == self.prompt_len {
+            return 0;
+        }
         let left = self.req.params.max_tokens.saturating_sub(self.context.len() - self.prompt_len + 1);
         let room = self.cache.capacity().saturating_sub(self.cache.len() + 1);
         gamma.min(left).min(room)
@@ -553,9 +560,13 @@ impl Worker {
             match part {
                 Part::Verify { seq, proposal, survival } => {
                     let (t0, n) = (Instant::now(), proposal.len());
+                    // The first step commits the prefill's token: not a round, not a plain step.
+                    let first = seqs[seq].context.len() == seqs[seq].prompt_len;
                     let accepted = self.accept(&mut seqs[seq], proposal, &survival, out)?;
                     let stats = &mut seqs[seq].stats;
-                    if n == 0 {
+                    if first {
+                        // Part of the prefill.
+                    } else if n == 0 {
                         stats.plain_steps += 1;
                     } else {
                         stats.record_round(n, accepted, draft_s, forward_s + t0.elapsed().as_secs_f64());
@@ -578,13 +589,19 @@ impl Worker {
                 }
                 let mut entries: Vec<BatchEntry> = seqs
                     .iter_mut()
-                    .filter(|s| s.decoding())
+                    .filter(|s| s.decoding() && s.budget(gamma) > 0)
                     .map(|s| match &mut s.draft {
                         DraftState::Block(b) => (b.as_mut(), s.context.as_slice(), &s.req.params.sampling),
                         _ => unreachable!("a block drafter's requests hold block states"),
                     })
                     .collect();
-                propose_batch(net, &mut entries, gamma)?
+                let mut drafted = propose_batch(net, &mut entries, gamma)?.into_iter();
+                budgets
+                    .iter()
+                    .map(
+                        |&b| if b > 0 { drafted.next().expect("one per entry") } else { Proposal::default() },
+                    )
+                    .collect()
             }
             // Per-request drafters, made by the engine or lent by the caller.
             _ => {

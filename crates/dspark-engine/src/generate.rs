@@ -102,9 +102,6 @@ pub fn generate(
     let mut decode_from = None;
     let mut tokens = Vec::new();
     while seqs[0].finish.is_none() {
-        if decode_from.is_none() && seqs[0].decoding() {
-            decode_from = Some(Instant::now());
-        }
         worker.step(&mut seqs)?;
         while let Ok(e) = rx.try_recv() {
             if let Event::Tokens { tokens: new, .. } = e {
@@ -113,6 +110,10 @@ pub fn generate(
                 }
                 tokens.extend(new);
             }
+        }
+        // Prefill ends with the first token, as plain decoding counts it.
+        if decode_from.is_none() && (!tokens.is_empty() || seqs[0].finish.is_some()) {
+            decode_from = Some(Instant::now());
         }
     }
     let decode_from = decode_from.unwrap_or(t0);

@@ -65,9 +65,11 @@ impl SpecStats {
             .collect()
     }
 
+    /// Tokens per second of `decode_s`: every token but the first, which the prefill yields (as
+    /// plain decoding counts it).
     pub fn decode_tok_s(&self) -> f64 {
         if self.decode_s > 0.0 {
-            self.generated_tokens as f64 / self.decode_s
+            self.generated_tokens.saturating_sub(1) as f64 / self.decode_s
         } else {
             0.0
         }
