@@ -213,6 +213,51 @@ fn attend_rows<'q>(
     }
 }
 
+/// Attention of the query rows `q` over every key of `kc`/`vc` (`len × hd` each, one head, no
+/// mask): a drafter's block, which sees its whole context and itself. Rows go four at a time
+/// over the keys (`dot4_scaled`, `weighted_sum4`), so each key and value is read once per four
+/// rows; `out` (`q.len() × hd`) is overwritten.
+pub fn attend_all(q: &[&[f32]], kc: &[f32], vc: &[f32], hd: usize, scale: f32, out: &mut [f32]) {
+    let len = kc.len() / hd;
+    assert!(vc.len() == kc.len() && out.len() == q.len() * hd && q.iter().all(|r| r.len() == hd));
+    out.fill(0.0);
+    if len == 0 {
+        return;
+    }
+    let mut scores = vec![0f32; 4 * len];
+    for i in (0..q.len()).step_by(4) {
+        let m = (q.len() - i).min(4);
+        if m == 4 {
+            let mut it = scores.chunks_mut(len);
+            let o = [(); 4].map(|_| it.next().expect("four rows"));
+            dot4_scaled([q[i], q[i + 1], q[i + 2], q[i + 3]], kc, 0..len, scale, o);
+        } else {
+            for r in 0..m {
+                for j in 0..len {
+                    scores[r * len + j] = dot(q[i + r], &kc[j * hd..(j + 1) * hd]) * scale;
+                }
+            }
+        }
+        for row in scores.chunks_mut(len).take(m) {
+            let max = row.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v));
+            exp_sub_in_place(row, max);
+            let s: f32 = row.iter().sum();
+            row.iter_mut().for_each(|p| *p /= s);
+        }
+        let block = &mut out[i * hd..(i + m) * hd];
+        if m == 4 {
+            let p = [0, 1, 2, 3].map(|r| &scores[r * len..(r + 1) * len]);
+            weighted_sum4(p, vc, 0..len, hd, block);
+        } else {
+            for r in 0..m {
+                for j in 0..len {
+                    axpy(scores[r * len + j], &vc[j * hd..(j + 1) * hd], &mut block[r * hd..(r + 1) * hd]);
+                }
+            }
+        }
+    }
+}
+
 /// `out[r] += Σ_{j ∈ js} p[r][j] · v_j` for four rows, each element accumulating its keys in
 /// increasing order with one FMA each — exactly `axpy`'s arithmetic, with the outputs kept in
 /// registers across keys instead of loaded and stored once per key.

@@ -285,3 +285,5 @@ mod tests {
         }
     }
 }
+
+pub use crate::batch::attend_all;
