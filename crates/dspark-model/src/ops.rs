@@ -4,6 +4,8 @@
 use crate::Result;
 use dspark_kernels::QLinear;
 
+pub use crate::batch::attend_all;
+
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
@@ -285,5 +287,3 @@ mod tests {
         }
     }
 }
-
-pub use crate::batch::attend_all;
