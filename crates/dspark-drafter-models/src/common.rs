@@ -4,7 +4,7 @@
 use crate::config::DrafterConfig;
 use crate::nn::{Attention, Linear, Mlp};
 use crate::store::{Init, Initializer, Store};
-use crate::{DrafterError, Result};
+use crate::{NetworkError, Result};
 use candle_core::{DType, Device, Tensor};
 use dspark_kernels::QLinear;
 use dspark_model::{Family, Model};
@@ -127,7 +127,7 @@ impl DraftVocab {
             let mut seen = vec![false; full];
             for &t in ids {
                 if t as usize >= full || std::mem::replace(&mut seen[t as usize], true) {
-                    return Err(DrafterError::Checkpoint(format!(
+                    return Err(NetworkError::Checkpoint(format!(
                         "d2t maps to token {t}, which is outside the target's {full} tokens or repeated"
                     )));
                 }
@@ -146,7 +146,7 @@ impl DraftVocab {
                 if s.contains("d2t")
                     && Self::load_d2t(s, c.vocab_size, c.vocab_size)?.target_ids() != full.target_ids()
                 {
-                    return Err(DrafterError::Checkpoint(
+                    return Err(NetworkError::Checkpoint(
                         "`d2t` of a full-vocabulary checkpoint is not the identity; set draft_vocab_size or fix the file".into(),
                     ));
                 }
@@ -169,7 +169,7 @@ impl DraftVocab {
             want[i as usize] = 1;
         }
         if flags.len() != self.full || flags.iter().map(|&f| u8::from(f != 0)).ne(want) {
-            return Err(DrafterError::Checkpoint(format!(
+            return Err(NetworkError::Checkpoint(format!(
                 "`t2d` ({} entries) does not mark exactly the target ids of `d2t`; the checkpoint is inconsistent",
                 flags.len()
             )));
@@ -179,12 +179,12 @@ impl DraftVocab {
 
     fn load_d2t(s: &Store, vd: usize, full: usize) -> Result<Self> {
         let t = s.raw("d2t").ok_or_else(|| {
-            DrafterError::Checkpoint(format!(
+            NetworkError::Checkpoint(format!(
                 "config has draft_vocab_size {vd} but the checkpoint lacks `d2t`"
             ))
         })?;
         if t.dims() != [vd] {
-            return Err(DrafterError::Checkpoint(format!("`d2t` has shape {:?}, expected [{vd}]", t.dims())));
+            return Err(NetworkError::Checkpoint(format!("`d2t` has shape {:?}, expected [{vd}]", t.dims())));
         }
         let off = t.to_dtype(DType::I64)?.to_vec1::<i64>()?;
         let ids =
@@ -308,7 +308,7 @@ impl Embedding {
             Self::Target(m) => embed(m, tokens),
             Self::Own(w) => {
                 if let Some(&t) = tokens.iter().find(|&&t| t as usize >= w.dim(0).unwrap_or(0)) {
-                    return Err(DrafterError::Input(format!("token id {t} is outside the vocabulary")));
+                    return Err(NetworkError::Input(format!("token id {t} is outside the vocabulary")));
                 }
                 let ids = Tensor::from_slice(tokens, tokens.len(), &Device::Cpu)?;
                 Ok(w.index_select(&ids, 0)?)
@@ -334,7 +334,7 @@ pub fn embed(target: &Model, tokens: &[u32]) -> Result<Tensor> {
 /// concatenated per row: `(rows, m·hidden)`.
 pub fn stack_taps(taps: &[Vec<f32>], rows: usize, d: usize, want: usize) -> Result<Tensor> {
     if taps.len() != want || taps.iter().any(|t| t.len() != rows * d) {
-        return Err(DrafterError::Input(format!(
+        return Err(NetworkError::Input(format!(
             "expected {want} tapped layers of {rows} × {d} values, got {} of sizes {:?}",
             taps.len(),
             taps.iter().map(|t| t.len()).collect::<Vec<_>>()

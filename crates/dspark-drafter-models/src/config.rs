@@ -2,7 +2,7 @@
 //! our extensions under `"dspark"` (which those loaders ignore). Public checkpoints' own configs
 //! are translated into this form by [`crate::formats`].
 
-use crate::{DrafterError, Result};
+use crate::{NetworkError, Result};
 use dspark_model::{Family, Model};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -27,14 +27,14 @@ pub enum Method {
 }
 
 impl std::str::FromStr for Method {
-    type Err = DrafterError;
+    type Err = NetworkError;
     fn from_str(s: &str) -> Result<Self> {
         match s {
             "dflash" => Ok(Self::Dflash),
             "dspark" => Ok(Self::Dspark),
             "eagle3" => Ok(Self::Eagle3),
             other => {
-                Err(DrafterError::Config(format!("unknown method `{other}`; use dflash, dspark or eagle3")))
+                Err(NetworkError::Config(format!("unknown method `{other}`; use dflash, dspark or eagle3")))
             }
         }
     }
@@ -59,12 +59,12 @@ pub enum HeadKind {
 }
 
 impl std::str::FromStr for HeadKind {
-    type Err = DrafterError;
+    type Err = NetworkError;
     fn from_str(s: &str) -> Result<Self> {
         match s {
             "markov" => Ok(Self::Markov),
             "rnn" => Ok(Self::Rnn),
-            other => Err(DrafterError::Config(format!("unknown head `{other}`; use markov or rnn"))),
+            other => Err(NetworkError::Config(format!("unknown head `{other}`; use markov or rnn"))),
         }
     }
 }
@@ -293,7 +293,7 @@ impl DrafterConfig {
             "llama" => Ok(Family::Llama),
             "qwen2" => Ok(Family::Qwen2),
             "qwen3" => Ok(Family::Qwen3),
-            other => Err(DrafterError::Config(format!(
+            other => Err(NetworkError::Config(format!(
                 "drafters for `{other}` targets are not supported (llama, qwen2 and qwen3 are)"
             ))),
         }
@@ -303,7 +303,7 @@ impl DrafterConfig {
     /// hand-edited config must be an error, not a 360 GB allocation or a division by zero.
     pub fn validate(&self) -> Result<()> {
         let bad = |what: String| {
-            Err(DrafterError::Config(format!(
+            Err(NetworkError::Config(format!(
                 "{what}; the drafter's config.json is damaged — make a new one with `dspark init-drafter`"
             )))
         };
@@ -414,7 +414,7 @@ impl DrafterConfig {
         // SafeAILab: the inputs of decoder layers 2, L//2 and L−3 = outputs of 1, L//2−1, L−4.
         let inputs = [2, n_layers / 2, n_layers.saturating_sub(3)];
         if n_layers < 6 || inputs[1] == inputs[2] {
-            return Err(DrafterError::WrongTarget(format!(
+            return Err(NetworkError::WrongTarget(format!(
                 "a SafeAILab EAGLE-3 drafter reads the inputs of target layers 2, L/2 and L−3, \
                  which are not three distinct layers of a {n_layers}-layer target"
             )));
@@ -469,7 +469,7 @@ impl DrafterConfig {
             return Ok(());
         }
         let made_for = self.ext().target.map(|t| format!(" (made for `{}`)", t.name)).unwrap_or_default();
-        Err(DrafterError::WrongTarget(format!(
+        Err(NetworkError::WrongTarget(format!(
             "this drafter{made_for} does not fit target `{}`: {}; use a drafter built for this target \
              (`dspark init-drafter --target {}` or train one)",
             id.name,

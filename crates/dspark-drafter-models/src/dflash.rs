@@ -14,7 +14,7 @@ use crate::common::{
 use crate::config::{BlockLayout, DrafterConfig, HeadKind, Method};
 use crate::nn::{rms_norm, sigmoid, Linear, Rope};
 use crate::store::{Init, Store};
-use crate::{DrafterError, Result};
+use crate::{NetworkError, Result};
 use candle_core::{Device, Tensor, D};
 use dspark_model::Model;
 use std::collections::BTreeMap;
@@ -153,20 +153,20 @@ impl BlockModel {
     pub fn new(config: DrafterConfig, store: &Store, vocab: DraftVocab, target: Arc<Model>) -> Result<Self> {
         let ext = config.ext();
         if ext.method == Method::Eagle3 {
-            return Err(DrafterError::Config("an EAGLE-3 checkpoint is not a block drafter".into()));
+            return Err(NetworkError::Config("an EAGLE-3 checkpoint is not a block drafter".into()));
         }
         if config.mask_token_id.is_none() {
-            return Err(DrafterError::Config("config lacks mask_token_id, which the block needs".into()));
+            return Err(NetworkError::Config("config lacks mask_token_id, which the block needs".into()));
         }
         if config.block_size < 1 + usize::from(ext.layout == BlockLayout::Dflash) {
-            return Err(DrafterError::Config(format!("block_size {} is too small", config.block_size)));
+            return Err(NetworkError::Config(format!("block_size {} is too small", config.block_size)));
         }
         if vocab.len() != config.draft_vocab() {
-            return Err(DrafterError::Checkpoint("d2t and draft_vocab_size disagree".into()));
+            return Err(NetworkError::Checkpoint("d2t and draft_vocab_size disagree".into()));
         }
         let (d, m, r) = (config.hidden_size, config.target_layer_ids.len(), ext.head_rank);
         if m == 0 {
-            return Err(DrafterError::Config("target_layer_ids is empty".into()));
+            return Err(NetworkError::Config("target_layer_ids is empty".into()));
         }
         let (v, vd) = (config.vocab_size, config.draft_vocab());
         let get = |name: &str, shape: &[usize]| store.get(store.pick(&config.file_names(name)), shape);
@@ -188,7 +188,7 @@ impl BlockModel {
         };
         let confidence = if ext.confidence {
             if ext.confidence_with_markov && head.is_none() {
-                return Err(DrafterError::Config(
+                return Err(NetworkError::Config(
                     "the confidence head reads the Markov head's W1 but there is no Markov head".into(),
                 ));
             }

@@ -14,7 +14,7 @@ use crate::config::{DrafterConfig, Method};
 use crate::dflash::DraftTrace;
 use crate::nn::{causal_mask, rms_norm, Linear, Rope};
 use crate::store::{Init, Store};
-use crate::{DrafterError, Result};
+use crate::{NetworkError, Result};
 use candle_core::{Device, Tensor, D};
 use dspark_model::Model;
 use std::collections::BTreeMap;
@@ -80,20 +80,20 @@ pub fn init(c: &DrafterConfig, std: f32, seed: u64, head_rows: Tensor) -> Result
 impl Eagle3Model {
     pub fn new(config: DrafterConfig, store: &Store, vocab: DraftVocab, target: Arc<Model>) -> Result<Self> {
         if config.ext().method != Method::Eagle3 {
-            return Err(DrafterError::Config("not an EAGLE-3 checkpoint".into()));
+            return Err(NetworkError::Config("not an EAGLE-3 checkpoint".into()));
         }
         if config.num_hidden_layers != 1 {
-            return Err(DrafterError::Config(format!(
+            return Err(NetworkError::Config(format!(
                 "EAGLE-3 has one draft layer, the config says {}",
                 config.num_hidden_layers
             )));
         }
         if vocab.len() != config.draft_vocab() {
-            return Err(DrafterError::Checkpoint("d2t and draft_vocab_size disagree".into()));
+            return Err(NetworkError::Checkpoint("d2t and draft_vocab_size disagree".into()));
         }
         let (d, m) = (config.hidden_size, config.target_layer_ids.len());
         if m == 0 {
-            return Err(DrafterError::Config("target_layer_ids is empty".into()));
+            return Err(NetworkError::Config("target_layer_ids is empty".into()));
         }
         // Under the names our saver writes (DeepSpec's layer is `layers.0.*`, ours `midlayer.*`).
         let get = |name: &str, shape: &[usize]| store.get(store.pick(&config.file_names(name)), shape);
@@ -164,7 +164,7 @@ impl Eagle3Model {
             return Ok(());
         }
         if next.len() != rows {
-            return Err(DrafterError::Input(format!("{rows} feature rows but {} next tokens", next.len())));
+            return Err(NetworkError::Input(format!("{rows} feature rows but {} next tokens", next.len())));
         }
         let x = stack_taps(taps, rows, self.config.hidden_size, self.config.target_layer_ids.len())?;
         let fused = self.fc.forward(&x)?;

@@ -21,7 +21,7 @@
 //! chain length (dspark drafts 8 per round from it unless told).
 
 use crate::config::{BlockLayout, DrafterConfig, HeadKind, Method};
-use crate::{DrafterError, DrafterNet, Result};
+use crate::{DrafterNet, NetworkError, Result};
 use candle_core::{Device, Tensor};
 use dspark_model::{Model, EMBEDDING_TAP};
 use serde_json::{json, Map, Value};
@@ -41,14 +41,14 @@ pub enum PublicFormat {
 }
 
 impl std::str::FromStr for PublicFormat {
-    type Err = DrafterError;
+    type Err = NetworkError;
 
     fn from_str(s: &str) -> Result<Self> {
         match s {
             "deepspec" => Ok(Self::DeepSpec),
             "zlab" => Ok(Self::Zlab),
             "eagle3" => Ok(Self::Eagle3),
-            other => Err(DrafterError::Config(format!(
+            other => Err(NetworkError::Config(format!(
                 "unknown checkpoint format `{other}`; use deepspec, zlab or eagle3"
             ))),
         }
@@ -56,7 +56,7 @@ impl std::str::FromStr for PublicFormat {
 }
 
 fn refuse<T>(msg: String) -> Result<T> {
-    Err(DrafterError::Config(msg))
+    Err(NetworkError::Config(msg))
 }
 
 /// Writes `net` (a drafter for `target`) into `dir` in `format`.

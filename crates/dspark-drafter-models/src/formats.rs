@@ -11,7 +11,7 @@
 //! | `LlamaForCausalLM` (+ `draft_vocab_size`), `LlamaForCausalLMEagle3` | SafeAILab / vLLM EAGLE-3 | taps fixed by code |
 
 use crate::config::{layer_id, BlockLayout, DrafterConfig, Extensions, Format, HeadKind, Method};
-use crate::{DrafterError, Result};
+use crate::{NetworkError, Result};
 use serde_json::{Map, Value};
 
 /// Chain length of a SafeAILab EAGLE-3 round: its `EaModel` default depth 7 drafts 8 tokens
@@ -46,8 +46,8 @@ struct Keys<'a> {
 }
 
 impl<'a> Keys<'a> {
-    fn err(&self, msg: String) -> DrafterError {
-        DrafterError::Config(format!("{}: {msg}", self.path))
+    fn err(&self, msg: String) -> NetworkError {
+        NetworkError::Config(format!("{}: {msg}", self.path))
     }
 
     fn take(&mut self, k: &str) -> Option<Value> {
@@ -137,7 +137,7 @@ pub fn is_ours(v: &Value) -> bool {
 /// A public checkpoint's config as a [`DrafterConfig`].
 pub fn public(v: Value, path: &str) -> Result<DrafterConfig> {
     let Value::Object(map) = v else {
-        return Err(DrafterError::Config(format!("{path}: config.json is not a JSON object")));
+        return Err(NetworkError::Config(format!("{path}: config.json is not a JSON object")));
     };
     let mut k = Keys { map, path };
     let arch = match k.take("architectures") {
@@ -308,7 +308,7 @@ pub fn public(v: Value, path: &str) -> Result<DrafterConfig> {
                 Some(ids) => ids,
                 None => zlab_default_layers(n, layers),
             };
-            d.finish().map_err(|e| DrafterError::Config(format!("{e} (in `dflash_config`)")))?;
+            d.finish().map_err(|e| NetworkError::Config(format!("{e} (in `dflash_config`)")))?;
             ext.layout = BlockLayout::Dflash;
         }
         Kind::DeepSpecEagle3 => {
@@ -336,7 +336,7 @@ pub fn public(v: Value, path: &str) -> Result<DrafterConfig> {
                     let ids = e.layer_ids("eagle_aux_hidden_state_layer_ids", false)?.ok_or_else(|| {
                         k.err("`eagle_config` lacks `eagle_aux_hidden_state_layer_ids`".into())
                     })?;
-                    e.finish().map_err(|e| DrafterError::Config(format!("{e} (in `eagle_config`)")))?;
+                    e.finish().map_err(|e| NetworkError::Config(format!("{e} (in `eagle_config`)")))?;
                     ids.into_iter().map(|i| i.checked_sub(1).unwrap_or(dspark_model::EMBEDDING_TAP)).collect()
                 }
                 Some(v) => return Err(k.err(format!("`eagle_config` is {v}, not an object"))),
@@ -367,7 +367,7 @@ pub fn public(v: Value, path: &str) -> Result<DrafterConfig> {
     }
     k.finish()?;
     c.dspark = Some(ext);
-    c.validate().map_err(|e| DrafterError::Config(format!("{path}: {e}")))?;
+    c.validate().map_err(|e| NetworkError::Config(format!("{path}: {e}")))?;
     Ok(c)
 }
 

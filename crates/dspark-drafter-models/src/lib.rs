@@ -24,8 +24,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 
+/// What went wrong with a drafter network: its checkpoint or config, or its forward. Errors
+/// while drafting in the decode loop are `dspark_spec::DraftError`s.
 #[derive(Debug, thiserror::Error)]
-pub enum DrafterError {
+pub enum NetworkError {
     #[error("drafter checkpoint: {0}")]
     Checkpoint(String),
     #[error("drafter config: {0}")]
@@ -40,7 +42,7 @@ pub enum DrafterError {
     Candle(#[from] candle_core::Error),
 }
 
-pub type Result<T> = std::result::Result<T, DrafterError>;
+pub type Result<T> = std::result::Result<T, NetworkError>;
 
 /// A loaded drafter network of either kind.
 pub enum DrafterNet {
@@ -104,7 +106,7 @@ pub fn save(
 
 /// Writes `DIR/config.json` (`config`) and `DIR/model.safetensors` (`tensors`).
 pub(crate) fn write_checkpoint(dir: &Path, config: &str, tensors: &BTreeMap<String, Tensor>) -> Result<()> {
-    let io = |e: std::io::Error| DrafterError::Checkpoint(format!("cannot write {}: {e}", dir.display()));
+    let io = |e: std::io::Error| NetworkError::Checkpoint(format!("cannot write {}: {e}", dir.display()));
     std::fs::create_dir_all(dir).map_err(io)?;
     // Write both files under temporary names first so that an interrupted save never leaves a
     // checkpoint whose config and weights disagree.
@@ -120,7 +122,7 @@ pub(crate) fn write_checkpoint(dir: &Path, config: &str, tensors: &BTreeMap<Stri
 pub fn read_config(dir: &Path) -> Result<DrafterConfig> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(|e| {
-        DrafterError::Checkpoint(format!(
+        NetworkError::Checkpoint(format!(
             "cannot read {}: {e}; a drafter is a folder with config.json and model.safetensors \
              (make one with `dspark init-drafter`)",
             path.display()
@@ -128,13 +130,13 @@ pub fn read_config(dir: &Path) -> Result<DrafterConfig> {
     })?;
     let shown = path.display().to_string();
     let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| DrafterError::Checkpoint(format!("{shown}: {e}")))?;
+        serde_json::from_str(&text).map_err(|e| NetworkError::Checkpoint(format!("{shown}: {e}")))?;
     if !formats::is_ours(&v) {
         return formats::public(v, &shown);
     }
     let c: DrafterConfig =
-        serde_json::from_value(v).map_err(|e| DrafterError::Checkpoint(format!("{shown}: {e}")))?;
-    c.validate().map_err(|e| DrafterError::Config(format!("{shown}: {e}")))?;
+        serde_json::from_value(v).map_err(|e| NetworkError::Checkpoint(format!("{shown}: {e}")))?;
+    c.validate().map_err(|e| NetworkError::Config(format!("{shown}: {e}")))?;
     Ok(c)
 }
 
@@ -237,7 +239,7 @@ pub fn pick_mask_token(target: &Model) -> Result<u32> {
         s.contains("pad") || s.contains("reserved") || s.contains("mask")
     });
     preferred.or(reserved.last()).map(|(i, _)| *i).ok_or_else(|| {
-        DrafterError::Config(
+        NetworkError::Config(
             "the target has no unused special token to serve as MASK; pass --mask-token ID".into(),
         )
     })
@@ -249,7 +251,7 @@ pub fn pick_mask_token(target: &Model) -> Result<u32> {
 pub fn frequent_tokens(target: &Model, counts: &HashMap<u32, u64>, n: usize) -> Result<Vec<u32>> {
     let v = target.config.vocab_size;
     if n == 0 || n > v {
-        return Err(DrafterError::Config(format!("draft vocabulary size must be in 1..={v}, got {n}")));
+        return Err(NetworkError::Config(format!("draft vocabulary size must be in 1..={v}, got {n}")));
     }
     let mut ids: Vec<u32> = (0..v as u32).collect();
     ids.sort_by_key(|i| (std::cmp::Reverse(counts.get(i).copied().unwrap_or(0)), *i));
@@ -270,15 +272,15 @@ pub fn frequent_tokens(target: &Model, counts: &HashMap<u32, u64>, n: usize) -> 
 pub fn init_config(target: &Model, target_name: &str, o: &InitOptions) -> Result<DrafterConfig> {
     let c = &target.config;
     if c.family == Family::Gemma3 {
-        return Err(DrafterError::Config(
+        return Err(NetworkError::Config(
             "drafters for gemma3 targets are not supported yet (llama, qwen2 and qwen3 are)".into(),
         ));
     }
     if o.gamma == 0 {
-        return Err(DrafterError::Config("the block must draft at least one token (--block ≥ 1)".into()));
+        return Err(NetworkError::Config("the block must draft at least one token (--block ≥ 1)".into()));
     }
     if o.layers == 0 {
-        return Err(DrafterError::Config("a drafter needs at least one layer".into()));
+        return Err(NetworkError::Config("a drafter needs at least one layer".into()));
     }
     let eagle = o.method == Method::Eagle3;
     let layers = o
@@ -286,14 +288,14 @@ pub fn init_config(target: &Model, target_name: &str, o: &InitOptions) -> Result
         .clone()
         .unwrap_or_else(|| default_target_layers(c.n_layers, if eagle { 3 } else { 5 }));
     if let Some(&bad) = layers.iter().find(|&&l| l >= c.n_layers) {
-        return Err(DrafterError::Config(format!(
+        return Err(NetworkError::Config(format!(
             "target layer {bad} does not exist (the target has {})",
             c.n_layers
         )));
     }
     let dspark = o.method == Method::Dspark;
     if dspark && o.rank == 0 {
-        return Err(DrafterError::Config("the sequential head needs a rank ≥ 1".into()));
+        return Err(NetworkError::Config("the sequential head needs a rank ≥ 1".into()));
     }
     let mask = if eagle {
         None
@@ -304,7 +306,7 @@ pub fn init_config(target: &Model, target_name: &str, o: &InitOptions) -> Result
         })
     };
     if mask.is_some_and(|m| m as usize >= c.vocab_size) {
-        return Err(DrafterError::Config(format!("mask token {} is outside the vocabulary", mask.unwrap())));
+        return Err(NetworkError::Config(format!("mask token {} is outside the vocabulary", mask.unwrap())));
     }
     let block_size = match (o.method, o.layout) {
         (Method::Eagle3, _) | (_, BlockLayout::Dspark) => o.gamma,

@@ -4,7 +4,7 @@
 //! tensors it cannot type (SafeAILab's `t2d` is a `BoolStorage`) with only a line on stderr, and
 //! a strict load must see every tensor.
 
-use crate::{DrafterError, Result};
+use crate::{NetworkError, Result};
 use candle_core::pickle::{Object, Stack};
 use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeMap;
@@ -13,7 +13,7 @@ use std::path::Path;
 
 /// Every tensor of the archive, by state-dict name. Booleans become `U8` (0/1).
 pub fn read(path: &Path) -> Result<BTreeMap<String, Tensor>> {
-    let bad = |e: String| DrafterError::Checkpoint(format!("{}: {e}", path.display()));
+    let bad = |e: String| NetworkError::Checkpoint(format!("{}: {e}", path.display()));
     let file = std::fs::File::open(path).map_err(|e| bad(e.to_string()))?;
     let mut zip = zip::ZipArchive::new(std::io::BufReader::new(file))
         .map_err(|e| bad(format!("not a zip archive: {e}")))?;

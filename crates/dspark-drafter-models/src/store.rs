@@ -2,7 +2,7 @@
 //! tensor, a record of which tensors were read (a strict load refuses the rest), random
 //! initialisation, and saving.
 
-use crate::{DrafterError, Result};
+use crate::{NetworkError, Result};
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 use std::cell::RefCell;
@@ -22,7 +22,7 @@ impl Store {
     /// tensors (SafeAILab's `t2d`); booleans become `U8`.
     pub fn load(path: &Path) -> Result<Self> {
         use safetensors::Dtype as S;
-        let bad = |e: String| DrafterError::Checkpoint(format!("cannot read {}: {e}", path.display()));
+        let bad = |e: String| NetworkError::Checkpoint(format!("cannot read {}: {e}", path.display()));
         let bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
         let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
         let mut map = BTreeMap::new();
@@ -64,7 +64,7 @@ impl Store {
             let map = crate::pth::read(&bin)?;
             return Ok(Self::from_map(map, &bin.display().to_string()));
         }
-        Err(DrafterError::Checkpoint(format!(
+        Err(NetworkError::Checkpoint(format!(
             "{} has none of model.safetensors, model.safetensors.index.json or pytorch_model.bin; \
              a drafter is a folder with config.json and its weights",
             dir.display()
@@ -72,7 +72,7 @@ impl Store {
     }
 
     fn load_sharded(dir: &Path, index: &Path) -> Result<Self> {
-        let bad = |e: String| DrafterError::Checkpoint(format!("{}: {e}", index.display()));
+        let bad = |e: String| NetworkError::Checkpoint(format!("{}: {e}", index.display()));
         let text = std::fs::read_to_string(index).map_err(|e| bad(e.to_string()))?;
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
         let weight_map = v
@@ -117,7 +117,7 @@ impl Store {
             return Ok(());
         }
         let shown: Vec<String> = unused.iter().take(8).map(|n| format!("`{n}`")).collect();
-        Err(DrafterError::Checkpoint(format!(
+        Err(NetworkError::Checkpoint(format!(
             "{} holds tensor{} {}{} that this drafter's config does not use; the checkpoint is for \
              a variant dspark does not implement (or its config.json does not match its weights)",
             self.source,
@@ -136,7 +136,7 @@ impl Store {
             }
             let v: Vec<f32> = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
             if let Some(x) = v.iter().find(|x| !x.is_finite()) {
-                return Err(DrafterError::Checkpoint(format!(
+                return Err(NetworkError::Checkpoint(format!(
                     "{}: tensor `{name}` holds {x}; the checkpoint is corrupt — train or fetch it again",
                     self.source
                 )));
@@ -161,13 +161,13 @@ impl Store {
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         self.mark_used(name);
         let t = self.map.get(name).ok_or_else(|| {
-            DrafterError::Checkpoint(format!(
+            NetworkError::Checkpoint(format!(
                 "{} lacks tensor `{name}`; the checkpoint is incomplete or was written for another method",
                 self.source
             ))
         })?;
         if t.dims() != shape {
-            return Err(DrafterError::Checkpoint(format!(
+            return Err(NetworkError::Checkpoint(format!(
                 "{}: tensor `{name}` has shape {:?} but the config implies {shape:?}",
                 self.source,
                 t.dims()
@@ -203,7 +203,7 @@ impl Store {
         let map: std::collections::HashMap<&String, Tensor> =
             map.iter().map(|(k, v)| (k, v.clone())).collect();
         candle_core::safetensors::save(&map, path)
-            .map_err(|e| DrafterError::Checkpoint(format!("cannot write {}: {e}", path.display())))
+            .map_err(|e| NetworkError::Checkpoint(format!("cannot write {}: {e}", path.display())))
     }
 }
 

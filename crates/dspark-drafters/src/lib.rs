@@ -14,15 +14,15 @@ pub use eagle3::Eagle3Drafter;
 pub use ngram::NgramDrafter;
 pub use recorder::Recorder;
 
-use dspark_drafter_models::{DrafterError, Method};
+use dspark_drafter_models::{Method, NetworkError};
 use dspark_model::Model;
 use dspark_spec::{DraftError, Drafter};
 use std::path::Path;
 use std::sync::Arc;
 
-pub(crate) fn net_error(e: DrafterError) -> DraftError {
+pub(crate) fn net_error(e: NetworkError) -> DraftError {
     match e {
-        DrafterError::Model(m) => DraftError::Model(m),
+        NetworkError::Model(m) => DraftError::Model(m),
         other => DraftError::Incompatible(other.to_string()),
     }
 }
@@ -34,12 +34,12 @@ pub fn load_network_drafter(
     dir: &Path,
     target: Arc<Model>,
     target_name: &str,
-) -> Result<Box<dyn Drafter>, DrafterError> {
+) -> Result<Box<dyn Drafter>, NetworkError> {
     let mut net = dspark_drafter_models::load(dir, target, target_name)?;
     net.quantize_for_inference()?;
     let found = net.method();
     if found != method {
-        return Err(DrafterError::Config(format!(
+        return Err(NetworkError::Config(format!(
             "{} is a {found} drafter, not {method}; use --drafter {found}:{}",
             dir.display(),
             dir.display()
@@ -47,7 +47,7 @@ pub fn load_network_drafter(
     }
     let name =
         format!("{method}:{}", dir.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default());
-    let wrap = |e: DraftError| DrafterError::Config(e.to_string());
+    let wrap = |e: DraftError| NetworkError::Config(e.to_string());
     Ok(match method {
         Method::Eagle3 => Box::new(Eagle3Drafter::from_net(net, &name).map_err(wrap)?),
         _ => Box::new(BlockDrafter::from_net(net, &name).map_err(wrap)?),
@@ -70,12 +70,12 @@ pub enum DrafterSpec {
 }
 
 impl std::str::FromStr for DrafterSpec {
-    type Err = DrafterError;
+    type Err = NetworkError;
 
-    fn from_str(s: &str) -> Result<Self, DrafterError> {
+    fn from_str(s: &str) -> Result<Self, NetworkError> {
         let (kind, arg) = s.split_once(':').unwrap_or((s, ""));
         let needs = |what: &str| {
-            DrafterError::Config(format!(
+            NetworkError::Config(format!(
                 "drafter `{s}` names no {what}; write {kind}:{}",
                 what.to_uppercase()
             ))
@@ -89,7 +89,7 @@ impl std::str::FromStr for DrafterSpec {
             ("dspark" | "dflash" | "eagle3", "") => return Err(needs("path")),
             ("dspark" | "dflash" | "eagle3", p) => Self::Network(kind.parse()?, p.into()),
             _ => {
-                return Err(DrafterError::Config(format!(
+                return Err(NetworkError::Config(format!(
                     "unknown drafter `{kind}`; use auto, none, ngram, draft:MODEL, dspark:PATH, dflash:PATH or eagle3:PATH"
                 )))
             }

@@ -529,7 +529,11 @@ impl Worker {
                 *begun = true;
             }
         }
-        let drafting = self.drafts && !decoding.is_empty() && self.sched.should_draft();
+        // A step where no request may draft (first steps, ends of max_tokens) is no drafting
+        // step: the policy neither plans it nor learns from it.
+        let gamma = self.config.draft_len;
+        let drafting =
+            self.drafts && decoding.iter().any(|&i| seqs[i].budget(gamma) > 0) && self.sched.should_draft();
         let t0 = Instant::now();
         let mut proposals = if drafting { self.draft(seqs, &decoding)? } else { vec![] };
         let draft_s = t0.elapsed().as_secs_f64();

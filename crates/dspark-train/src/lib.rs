@@ -22,7 +22,7 @@ pub enum TrainError {
     #[error(transparent)]
     Model(#[from] dspark_model::ModelError),
     #[error(transparent)]
-    Drafter(#[from] dspark_drafter_models::DrafterError),
+    Drafter(#[from] dspark_drafter_models::NetworkError),
     #[error(transparent)]
     Decode(#[from] dspark_decode::DecodeError),
     #[error(transparent)]
