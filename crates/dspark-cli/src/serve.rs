@@ -44,22 +44,8 @@ impl ServeDrafter {
         match spec {
             DrafterSpec::None => Ok(None),
             DrafterSpec::Network(method @ (Method::Dspark | Method::Dflash), dir) => {
-                let mut net = dspark_drafter_models::load(&dir, target.clone(), target_name)
+                let (net, name) = dspark_drafters::load_network(method, &dir, target.clone(), target_name)
                     .with_context(|| format!("loading drafter {}", dir.display()))?;
-                net.quantize_for_inference()?;
-                if net.method() != method {
-                    bail!(
-                        "{} is a {} drafter; use --drafter {}:{}",
-                        dir.display(),
-                        net.method(),
-                        net.method(),
-                        dir.display()
-                    );
-                }
-                let name = format!(
-                    "{method}:{}",
-                    dir.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default()
-                );
                 match net {
                     DrafterNet::Block(m) => {
                         let gamma = crate::args::block_gamma(self.draft_len, m.gamma())?;

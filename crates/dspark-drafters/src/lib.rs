@@ -35,6 +35,22 @@ pub fn load_network_drafter(
     target: Arc<Model>,
     target_name: &str,
 ) -> Result<Box<dyn Drafter>, NetworkError> {
+    let (net, name) = load_network(method, dir, target, target_name)?;
+    let wrap = |e: DraftError| NetworkError::Config(e.to_string());
+    Ok(match method {
+        Method::Eagle3 => Box::new(Eagle3Drafter::from_net(net, &name).map_err(wrap)?),
+        _ => Box::new(BlockDrafter::from_net(net, &name).map_err(wrap)?),
+    })
+}
+
+/// The network of a drafter checkpoint of `method`, with its 8-bit drafting weights, and its
+/// display name (`method:folder`); a checkpoint of another method is refused.
+pub fn load_network(
+    method: Method,
+    dir: &Path,
+    target: Arc<Model>,
+    target_name: &str,
+) -> Result<(dspark_drafter_models::DrafterNet, String), NetworkError> {
     let mut net = dspark_drafter_models::load(dir, target, target_name)?;
     net.quantize_for_inference()?;
     let found = net.method();
@@ -47,11 +63,7 @@ pub fn load_network_drafter(
     }
     let name =
         format!("{method}:{}", dir.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default());
-    let wrap = |e: DraftError| NetworkError::Config(e.to_string());
-    Ok(match method {
-        Method::Eagle3 => Box::new(Eagle3Drafter::from_net(net, &name).map_err(wrap)?),
-        _ => Box::new(BlockDrafter::from_net(net, &name).map_err(wrap)?),
-    })
+    Ok((net, name))
 }
 
 /// A `--drafter` value, parsed in this one place for every command.
