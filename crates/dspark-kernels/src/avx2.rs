@@ -1,34 +1,41 @@
-//! AVX2 + FMA + F16C kernels over the lane layout ([`crate::packed`]). A 16-lane vector of the
-//! definition ([`crate::scalar`]) is two registers here (lanes 0–7, 8–15); the integers come from
-//! `maddubs` + `madd` (exact: no pair of products reaches i16 saturation for these formats), the
-//! float work is the same lane-wise operations in the same order, so results are the other
-//! paths' bits.
+//! AVX2 + FMA + F16C kernels over the column tiles ([`crate::packed`]). A tile's 16 columns
+//! are two halves of 8 lanes here, each computed in its own pass over the tile's records (the
+//! second finds them in cache); the integers come from `maddubs` + `madd` (exact: no pair of
+//! products reaches i16 saturation for these formats), and the float work is the lane-wise
+//! operations of [`crate::scalar`] in the same order, so results are the other paths' bits.
 
 #![allow(unsafe_op_in_unsafe_fn)]
 #![allow(clippy::needless_range_loop)]
 
-use crate::format::Q8Rows;
-use crate::packed::{PackedMatrix, ScaleKind, GROUP};
-use crate::x86::{by_format, prefetch_group, reduce8, Fmt, Ints};
+use crate::format::{Q8Rows, QK};
+use crate::packed::{PackedMatrix, ScaleKind, GROUP, NT};
+use crate::x86::{by_format, prefetch_part, Fmt, Ints};
 use std::arch::x86_64::*;
+
+/// Rows a tile call computes at most (16 registers: 3 accumulators per row and the weights).
+const MAX_R: usize = 3;
 
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; `x` was quantized with `w.nbp` blocks per row;
-/// `out` has room for `x.rows` rows of stride `ldo` covering columns `n0..n1`.
-pub unsafe fn range(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out: *mut f32, ldo: usize) {
-    by_format!(w.format, range_f(w, x, n0, n1, out, ldo))
+/// `out` has room for `x.rows` rows of stride `ldo` covering the tiles' columns below `w.n`.
+pub unsafe fn range(w: &PackedMatrix, x: &Q8Rows, t0: usize, t1: usize, out: *mut f32, ldo: usize) {
+    by_format!(w.format, range_f(w, x, t0, t1, out, ldo))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn range_f<F: Fmt>(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out: *mut f32, ldo: usize) {
+unsafe fn range_f<F: Fmt>(w: &PackedMatrix, x: &Q8Rows, t0: usize, t1: usize, out: *mut f32, ldo: usize) {
+    let per = x.rows.div_ceil(x.rows.div_ceil(MAX_R));
     let mut r0 = 0;
     while r0 < x.rows {
-        let rt = (x.rows - r0).min(2);
-        for n in n0..n1 {
-            if rt == 2 {
-                tile::<F, 2>(w, n, x, r0, out, ldo, r0 == 0);
-            } else {
-                tile::<F, 1>(w, n, x, r0, out, ldo, r0 == 0);
+        let rt = per.min(x.rows - r0);
+        for t in t0..t1 {
+            for h in 0..2 {
+                let first = r0 == 0 && h == 0;
+                match rt {
+                    3 => tile::<F, 3>(w, t, h, x, r0, out, ldo, first),
+                    2 => tile::<F, 2>(w, t, h, x, r0, out, ldo, first),
+                    _ => tile::<F, 1>(w, t, h, x, r0, out, ldo, first),
+                }
             }
         }
         r0 += rt;
@@ -46,45 +53,6 @@ unsafe fn bits_to_bytes(m: u32) -> __m256i {
     _mm256_cmpeq_epi8(_mm256_or_si256(bytes, mask), _mm256_set1_epi64x(-1))
 }
 
-/// `W_m` of global group `gi` as unsigned bytes, lanes 0–7 and 8–15.
-#[inline(always)]
-unsafe fn weights<F: Fmt>(w: &PackedMatrix, gi: usize, m: usize) -> [__m256i; 2] {
-    let (qsb, qhb) = PackedMatrix::group_bytes(F::FORMAT);
-    if F::INTS == Ints::Byte {
-        let p = w.qs.as_ptr().add(gi * qsb + m * 64);
-        return [_mm256_loadu_si256(p as *const __m256i), _mm256_loadu_si256(p.add(32) as *const __m256i)];
-    }
-    let m4 = _mm256_set1_epi8(0x0F);
-    let p = w.qs.as_ptr().add(gi * qsb + (m / 2) * 64);
-    let mut out = [0, 1].map(|half| {
-        let v = _mm256_loadu_si256(p.add(32 * half) as *const __m256i);
-        _mm256_and_si256(if m.is_multiple_of(2) { v } else { _mm256_srli_epi16(v, 4) }, m4)
-    });
-    match F::INTS {
-        Ints::Five => {
-            let bits = (w.qh.as_ptr().add(gi * qhb + m * 8) as *const u64).read_unaligned();
-            for (half, o) in out.iter_mut().enumerate() {
-                let set = bits_to_bytes((bits >> (32 * half)) as u32);
-                *o = _mm256_or_si256(*o, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
-            }
-        }
-        Ints::Six => {
-            for (half, o) in out.iter_mut().enumerate() {
-                let hb = _mm256_loadu_si256(w.qh.as_ptr().add(gi * qhb + 32 * half) as *const __m256i);
-                let hb = match m {
-                    0 => _mm256_slli_epi16(hb, 4),
-                    1 => _mm256_slli_epi16(hb, 2),
-                    2 => hb,
-                    _ => _mm256_srli_epi16(hb, 2),
-                };
-                *o = _mm256_or_si256(*o, _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
-            }
-        }
-        _ => {}
-    }
-    out
-}
-
 /// Σ of each 4-byte group of `u·a` as i32 (`u` unsigned, at most 63, or Q8_0's biased bytes,
 /// which are multiplied as signed values instead).
 #[inline(always)]
@@ -97,24 +65,70 @@ unsafe fn dot4<F: Fmt>(u: __m256i, a: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), one)
 }
 
-/// Each of 8 values twice (lanes 2j, 2j + 1 take value j): lanes 0–7 and 8–15.
+/// Adds the dot products of chunks `ch0..ch0 + n` of half `h` of a record to `p`. Q8_0's
+/// integers come out signed (see `dot4`); the others are the stored unsigned ones.
 #[inline(always)]
-unsafe fn pairs_u8(p: *const u8) -> [__m256i; 2] {
-    let v = _mm_loadl_epi64(p as *const __m128i);
-    let v = _mm_unpacklo_epi8(v, v);
-    [_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))]
-}
-
-#[inline(always)]
-unsafe fn pairs_f16(p: *const u16) -> [__m256; 2] {
-    let v = _mm_loadu_si128(p as *const __m128i);
-    [_mm256_cvtph_ps(_mm_unpacklo_epi16(v, v)), _mm256_cvtph_ps(_mm_unpackhi_epi16(v, v))]
+#[allow(clippy::too_many_arguments)]
+unsafe fn dots<F: Fmt, const R: usize>(
+    w: &PackedMatrix,
+    rec: *const u8,
+    h: usize,
+    ch0: usize,
+    n: usize,
+    a: *const u8,
+    lda: usize,
+    p: &mut [__m256i; R],
+) {
+    let bcast =
+        |r: usize, ch: usize| _mm256_set1_epi32((a.add(r * lda + 4 * ch) as *const i32).read_unaligned());
+    if F::INTS == Ints::Byte {
+        for ch in ch0..ch0 + n {
+            let wv = _mm256_loadu_si256(rec.add(ch * 64 + 32 * h) as *const _);
+            for r in 0..R {
+                p[r] = _mm256_add_epi32(p[r], dot4::<F>(wv, bcast(r, ch)));
+            }
+        }
+        return;
+    }
+    let m4 = _mm256_set1_epi8(0x0F);
+    for s in ch0 / 2..(ch0 + n) / 2 {
+        let v = _mm256_loadu_si256(rec.add(s * 64 + 32 * h) as *const _);
+        let mut lo = _mm256_and_si256(v, m4);
+        let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        match F::INTS {
+            Ints::Five => {
+                let qh = rec.add(w.rec.qh) as *const u64;
+                let b16 = _mm256_set1_epi8(0x10);
+                let bits = |ch: usize| bits_to_bytes((qh.add(ch).read_unaligned() >> (32 * h)) as u32);
+                lo = _mm256_or_si256(lo, _mm256_and_si256(bits(2 * s), b16));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(bits(2 * s + 1), b16));
+            }
+            Ints::Six => {
+                let hb = _mm256_loadu_si256(rec.add(w.rec.qh + (s / 2) * 64 + 32 * h) as *const _);
+                let m30 = _mm256_set1_epi8(0x30);
+                let (b0, b1) = if s % 2 == 0 {
+                    (_mm256_slli_epi16(hb, 4), _mm256_slli_epi16(hb, 2))
+                } else {
+                    (hb, _mm256_srli_epi16(hb, 2))
+                };
+                lo = _mm256_or_si256(lo, _mm256_and_si256(b0, m30));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(b1, m30));
+            }
+            _ => {}
+        }
+        for r in 0..R {
+            p[r] = _mm256_add_epi32(p[r], dot4::<F>(lo, bcast(r, 2 * s)));
+            p[r] = _mm256_add_epi32(p[r], dot4::<F>(hi, bcast(r, 2 * s + 1)));
+        }
+    }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn tile<F: Fmt, const R: usize>(
     w: &PackedMatrix,
-    n: usize,
+    t: usize,
+    h: usize,
     x: &Q8Rows,
     r0: usize,
     out: *mut f32,
@@ -122,92 +136,108 @@ unsafe fn tile<F: Fmt, const R: usize>(
     prefetch: bool,
 ) {
     let groups = w.groups();
-    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    let lda = x.nbp * QK;
+    let z = _mm256_setzero_si256();
+    let mut acc = [_mm256_setzero_ps(); R];
+    // Q8_0's integers are already signed here (see `dot4`).
+    let shift = if F::INTS == Ints::Byte { 0 } else { F::BIAS_SHIFT };
     for g in 0..groups {
-        let gi = n * groups + g;
-        if prefetch {
-            prefetch_group::<F>(w, gi);
-        }
-        let mut p = [[_mm256_setzero_si256(); 2]; R];
-        for m in 0..4 {
-            let wv = weights::<F>(w, gi, m);
-            for r in 0..R {
-                let xa = x.qs.as_ptr().add(((r0 + r) * groups + g) * GROUP + m * 64);
-                for half in 0..2 {
-                    let a = _mm256_loadu_si256(xa.add(32 * half) as *const __m256i);
-                    p[r][half] = _mm256_add_epi32(p[r][half], dot4::<F>(wv[half], a));
-                }
-            }
-        }
-        // Q8_0's integers are already signed here (see `dot4`).
-        let shift = if F::INTS == Ints::Byte { 0 } else { F::BIAS_SHIFT };
-        let hs = |xg: usize, half: usize| {
-            _mm256_loadu_si256(x.hs.as_ptr().add(xg * 16 + 8 * half) as *const __m256i)
-        };
+        let rec = w.record(t, g);
+        let a = x.qs.as_ptr().add(r0 * lda + g * GROUP) as *const u8;
+        let blk = |r: usize| (r0 + r) * x.nbp + g * 8;
         match F::SCALES {
             ScaleKind::F16 => {
-                let dw = pairs_f16(w.d16.as_ptr().add(gi * 8));
-                let mw =
-                    if F::MIN { pairs_f16(w.m16.as_ptr().add(gi * 8)) } else { [_mm256_setzero_ps(); 2] };
-                for r in 0..R {
-                    let xg = (r0 + r) * groups + g;
-                    for half in 0..2 {
-                        let mut pc = p[r][half];
+                for j in 0..8 {
+                    if prefetch {
+                        prefetch_part(rec, w.rec.size, j, 8);
+                    }
+                    let mut p = [z; R];
+                    dots::<F, R>(w, rec, h, 8 * j, 8, a, lda, &mut p);
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(rec.add(w.rec.d + 32 * j + 16 * h) as *const _));
+                    let mw = if F::MIN {
+                        _mm256_cvtph_ps(_mm_loadu_si128(rec.add(w.rec.m + 32 * j + 16 * h) as *const _))
+                    } else {
+                        _mm256_setzero_ps()
+                    };
+                    for r in 0..R {
+                        let b = blk(r) + j;
+                        let mut pc = p[r];
                         if shift > 0 {
-                            pc = _mm256_sub_epi32(
-                                pc,
-                                _mm256_sll_epi32(hs(xg, half), _mm_cvtsi32_si128(shift as i32)),
-                            );
+                            pc = _mm256_sub_epi32(pc, _mm256_set1_epi32(*x.bsum.get_unchecked(b) << shift));
                         }
-                        let dx = _mm256_loadu_ps(x.dl.as_ptr().add(xg * 16 + 8 * half));
-                        acc[r][half] = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(pc),
-                            _mm256_mul_ps(dw[half], dx),
-                            acc[r][half],
-                        );
+                        let s = _mm256_mul_ps(dw, _mm256_set1_ps(*x.d.get_unchecked(b)));
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pc), s, acc[r]);
                         if F::MIN {
-                            let xs = _mm256_loadu_ps(x.xs.as_ptr().add(xg * 16 + 8 * half));
-                            acc[r][half] = _mm256_fmadd_ps(mw[half], xs, acc[r][half]);
+                            acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*x.xs.get_unchecked(b)), acc[r]);
                         }
                     }
                 }
             }
             ScaleKind::K4 => {
-                let gd = _mm256_set1_ps(w.gd[gi]);
-                let gmin = _mm256_set1_ps(-w.gmin[gi]);
-                let scd =
-                    pairs_u8(w.sc.as_ptr().add(gi * 8)).map(|v| _mm256_mul_ps(_mm256_cvtepi32_ps(v), gd));
-                let wm =
-                    pairs_u8(w.mn.as_ptr().add(gi * 8)).map(|v| _mm256_mul_ps(_mm256_cvtepi32_ps(v), gmin));
-                for r in 0..R {
-                    let xg = (r0 + r) * groups + g;
-                    let dx = _mm256_set1_ps(*x.d.get_unchecked(xg * 8));
-                    for half in 0..2 {
-                        let s = _mm256_mul_ps(scd[half], dx);
-                        acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[r][half]), s, acc[r][half]);
-                        let xs = _mm256_loadu_ps(x.xs.as_ptr().add(xg * 16 + 8 * half));
-                        acc[r][half] = _mm256_fmadd_ps(wm[half], xs, acc[r][half]);
+                let bytes =
+                    |off: usize| _mm256_cvtepu8_epi32(_mm_loadl_epi64(rec.add(off + 8 * h) as *const _));
+                let mut i = [z; R];
+                for j in 0..8 {
+                    if prefetch {
+                        prefetch_part(rec, w.rec.size, j, 8);
                     }
+                    let mut p = [z; R];
+                    dots::<F, R>(w, rec, h, 8 * j, 8, a, lda, &mut p);
+                    let sc = bytes(w.rec.sc + 16 * j);
+                    for r in 0..R {
+                        i[r] = _mm256_add_epi32(i[r], _mm256_mullo_epi32(p[r], sc));
+                    }
+                }
+                let mut m = [z; R];
+                for j in 0..8 {
+                    let mn = bytes(w.rec.mn + 16 * j);
+                    for r in 0..R {
+                        let s = _mm256_set1_epi32(*x.bsum.get_unchecked(blk(r) + j));
+                        m[r] = _mm256_add_epi32(m[r], _mm256_mullo_epi32(mn, s));
+                    }
+                }
+                let d = _mm256_loadu_ps(rec.add(w.rec.d + 32 * h) as *const f32);
+                let nd = _mm256_loadu_ps(rec.add(w.rec.m + 32 * h) as *const f32);
+                for r in 0..R {
+                    let dx = _mm256_set1_ps(*x.d.get_unchecked(blk(r)));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[r]), _mm256_mul_ps(d, dx), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m[r]), _mm256_mul_ps(nd, dx), acc[r]);
                 }
             }
             ScaleKind::K6 => {
-                let v = _mm_loadu_si128(w.sc.as_ptr().add(gi * 16) as *const __m128i);
-                let gd = _mm256_set1_ps(w.gd[gi]);
-                let scd = [_mm256_cvtepi8_epi32(v), _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))]
-                    .map(|v| _mm256_mul_ps(_mm256_cvtepi32_ps(v), gd));
-                for r in 0..R {
-                    let xg = (r0 + r) * groups + g;
-                    let dx = _mm256_set1_ps(*x.d.get_unchecked(xg * 8));
-                    for half in 0..2 {
-                        let pc = _mm256_sub_epi32(p[r][half], _mm256_slli_epi32(hs(xg, half), 5));
-                        let s = _mm256_mul_ps(scd[half], dx);
-                        acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pc), s, acc[r][half]);
+                let mut i = [z; R];
+                for l in 0..16 {
+                    if prefetch {
+                        prefetch_part(rec, w.rec.size, l, 16);
                     }
+                    let mut p = [z; R];
+                    dots::<F, R>(w, rec, h, 4 * l, 4, a, lda, &mut p);
+                    let sc =
+                        _mm256_cvtepi8_epi32(_mm_loadl_epi64(rec.add(w.rec.sc + 16 * l + 8 * h) as *const _));
+                    for r in 0..R {
+                        let hs = *x.hsum.get_unchecked(2 * blk(r) + l) << 5;
+                        let pc = _mm256_sub_epi32(p[r], _mm256_set1_epi32(hs));
+                        i[r] = _mm256_add_epi32(i[r], _mm256_mullo_epi32(pc, sc));
+                    }
+                }
+                let d = _mm256_loadu_ps(rec.add(w.rec.d + 32 * h) as *const f32);
+                for r in 0..R {
+                    let dx = _mm256_set1_ps(*x.d.get_unchecked(blk(r)));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[r]), _mm256_mul_ps(d, dx), acc[r]);
                 }
             }
         }
     }
+    let c0 = t * NT + 8 * h;
+    let valid = w.n.saturating_sub(c0).min(8);
     for r in 0..R {
-        *out.add((r0 + r) * ldo + n) = reduce8(_mm256_add_ps(acc[r][0], acc[r][1]));
+        let o = out.add((r0 + r) * ldo + c0);
+        if valid == 8 {
+            _mm256_storeu_ps(o, acc[r]);
+        } else {
+            let mut tmp = [0f32; 8];
+            _mm256_storeu_ps(tmp.as_mut_ptr(), acc[r]);
+            std::ptr::copy_nonoverlapping(tmp.as_ptr(), o, valid);
+        }
     }
 }

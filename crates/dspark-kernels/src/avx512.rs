@@ -1,101 +1,131 @@
-//! AVX-512 VNNI kernels over the lane layout ([`crate::packed`]): a register tile of up to four
-//! activation rows × two weight columns, one `vpdpbusd` per 64 weight bytes and row, each
-//! weight vector unpacked once per tile and each activation vector loaded once per tile. The
-//! float work follows [`crate::scalar`] lane for lane, so results equal the other paths' bits.
+//! AVX-512 VNNI kernels over the column tiles ([`crate::packed`]): a register's 16 lanes are
+//! the tile's 16 columns. Each `vpdpbusd` multiplies one 64-byte weight vector (4 values of 16
+//! columns) by 4 activation bytes broadcast from memory, and a weight vector, unpacked once,
+//! serves up to 8 activation rows. The integer sums are exact; scales are applied per block
+//! (legacy formats) or per group (K-quants) with the float operations of [`crate::scalar`],
+//! lane-wise, so results are that definition's bits.
 
 #![allow(unsafe_op_in_unsafe_fn)]
 #![allow(clippy::needless_range_loop)]
 
-use crate::format::Q8Rows;
-use crate::packed::{PackedMatrix, ScaleKind, GROUP};
-use crate::x86::{by_format, prefetch_group, Fmt, Ints};
+use crate::format::{Q8Rows, QK};
+use crate::packed::{PackedMatrix, ScaleKind, GROUP, NT};
+use crate::x86::{by_format, prefetch_part, Fmt, Ints};
 use std::arch::x86_64::*;
 
+/// Rows a tile call computes at most: 3 × 8 accumulators (float, group integer, block integer)
+/// plus the unpacked weights fit the 32 registers.
+const MAX_R: usize = 8;
+
+/// Tiles `t0..t1` of every row of `x`.
+///
 /// # Safety
-/// The CPU must have AVX-512 F/BW/VNNI, AVX2, FMA and F16C; `x` was quantized with `w.nbp`
-/// blocks per row; `out` has room for `x.rows` rows of stride `ldo` covering columns `n0..n1`.
-pub unsafe fn range(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out: *mut f32, ldo: usize) {
-    by_format!(w.format, range_f(w, x, n0, n1, out, ldo))
+/// The CPU must support AVX-512 F/BW/VNNI, AVX2, FMA and F16C; `x` was quantized with
+/// `w.nbp` blocks per row; `out` has room for `x.rows` rows of stride `ldo` covering the
+/// tiles' columns below `w.n`.
+pub unsafe fn range(w: &PackedMatrix, x: &Q8Rows, t0: usize, t1: usize, out: *mut f32, ldo: usize) {
+    by_format!(w.format, range_f(w, x, t0, t1, out, ldo))
 }
 
-/// Row tiles outer, columns inner: a task's columns (sized to stay in L2) meet each tile of
-/// activation rows (in L1) in turn, so k rows cost one pass over the weights from memory.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn range_f<F: Fmt>(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out: *mut f32, ldo: usize) {
+unsafe fn range_f<F: Fmt>(w: &PackedMatrix, x: &Q8Rows, t0: usize, t1: usize, out: *mut f32, ldo: usize) {
+    // Row passes of equal size: 12 rows are two passes of 6, not 8 + 4.
+    let per = x.rows.div_ceil(x.rows.div_ceil(MAX_R));
     let mut r0 = 0;
     while r0 < x.rows {
-        let rt = (x.rows - r0).min(4);
+        let rt = per.min(x.rows - r0);
+        // The first pass streams the weights from memory; later ones find them in L2.
         let first = r0 == 0;
-        let mut n = n0;
-        while n < n1 {
-            // The first row tile streams the weights from memory: one column at a time keeps
-            // that a single sequential stream (two interleaved ones read markedly slower);
-            // later tiles find the columns in L2 and share each activation load between two.
-            let c = if first { 1 } else { (n1 - n).min(2) };
-            match (rt, c) {
-                (4, 2) => tile::<F, 4, 2>(w, n, x, r0, out, ldo, first),
-                (3, 2) => tile::<F, 3, 2>(w, n, x, r0, out, ldo, first),
-                (2, 2) => tile::<F, 2, 2>(w, n, x, r0, out, ldo, first),
-                (1, 2) => tile::<F, 1, 2>(w, n, x, r0, out, ldo, first),
-                (4, _) => tile::<F, 4, 1>(w, n, x, r0, out, ldo, first),
-                (3, _) => tile::<F, 3, 1>(w, n, x, r0, out, ldo, first),
-                (2, _) => tile::<F, 2, 1>(w, n, x, r0, out, ldo, first),
-                _ => tile::<F, 1, 1>(w, n, x, r0, out, ldo, first),
+        for t in t0..t1 {
+            match rt {
+                8 => tile::<F, 8>(w, t, x, r0, out, ldo, first),
+                7 => tile::<F, 7>(w, t, x, r0, out, ldo, first),
+                6 => tile::<F, 6>(w, t, x, r0, out, ldo, first),
+                5 => tile::<F, 5>(w, t, x, r0, out, ldo, first),
+                4 => tile::<F, 4>(w, t, x, r0, out, ldo, first),
+                3 => tile::<F, 3>(w, t, x, r0, out, ldo, first),
+                2 => tile::<F, 2>(w, t, x, r0, out, ldo, first),
+                _ => tile::<F, 1>(w, t, x, r0, out, ldo, first),
             }
-            n += c;
         }
         r0 += rt;
     }
 }
 
-/// `W_{2h}` and `W_{2h+1}` of global group `gi`, as unsigned bytes.
+/// Adds the dot products of chunks `ch0..ch0 + n` (4 values each) of a record to `p` (even
+/// chunks) and `q` (odd chunks; with one or two rows, a second accumulator halves the chain
+/// of dependent `vpdpbusd`s).
 #[inline(always)]
-unsafe fn weights<F: Fmt>(w: &PackedMatrix, gi: usize, h: usize) -> [__m512i; 2] {
-    let (qsb, qhb) = PackedMatrix::group_bytes(F::FORMAT);
+#[allow(clippy::too_many_arguments)]
+unsafe fn dots<F: Fmt, const R: usize>(
+    w: &PackedMatrix,
+    rec: *const u8,
+    ch0: usize,
+    n: usize,
+    a: *const u8,
+    lda: usize,
+    p: &mut [__m512i; R],
+    q: &mut [__m512i; R],
+) {
+    let bcast =
+        |r: usize, ch: usize| _mm512_set1_epi32((a.add(r * lda + 4 * ch) as *const i32).read_unaligned());
+    let split = R <= 2;
     if F::INTS == Ints::Byte {
-        let p = w.qs.as_ptr().add(gi * qsb + h * 128);
-        return [_mm512_loadu_si512(p as *const _), _mm512_loadu_si512(p.add(64) as *const _)];
-    }
-    let m4 = _mm512_set1_epi8(0x0F);
-    let v = _mm512_loadu_si512(w.qs.as_ptr().add(gi * qsb + h * 64) as *const _);
-    let mut out = [_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_srli_epi16(v, 4), m4)];
-    match F::INTS {
-        Ints::Five => {
-            let qh = w.qh.as_ptr().add(gi * qhb);
-            for (mm, o) in out.iter_mut().enumerate() {
-                let bits = (qh.add((2 * h + mm) * 8) as *const u64).read_unaligned();
-                *o = _mm512_mask_add_epi8(*o, _cvtu64_mask64(bits), *o, _mm512_set1_epi8(0x10));
+        for ch in ch0..ch0 + n {
+            let wv = _mm512_loadu_si512(rec.add(ch * 64) as *const _);
+            for r in 0..R {
+                if split && ch % 2 == 1 {
+                    q[r] = _mm512_dpbusd_epi32(q[r], wv, bcast(r, ch));
+                } else {
+                    p[r] = _mm512_dpbusd_epi32(p[r], wv, bcast(r, ch));
+                }
             }
         }
-        Ints::Six => {
-            let hb = _mm512_loadu_si512(w.qh.as_ptr().add(gi * qhb) as *const _);
-            let m30 = _mm512_set1_epi8(0x30);
-            // Bits 2m..2m + 2 of each byte to bits 4..6 (16-bit shifts; the mask drops what
-            // crossed bytes).
-            let (a, b) = if h == 0 {
-                (_mm512_slli_epi16(hb, 4), _mm512_slli_epi16(hb, 2))
-            } else {
-                (hb, _mm512_srli_epi16(hb, 2))
-            };
-            out[0] = _mm512_or_si512(out[0], _mm512_and_si512(a, m30));
-            out[1] = _mm512_or_si512(out[1], _mm512_and_si512(b, m30));
-        }
-        _ => {}
+        return;
     }
-    out
-}
-
-/// Each of 8 bytes at `p` twice (lanes 2j, 2j + 1 take byte j), widened to i32.
-#[inline(always)]
-unsafe fn pairs_u8(p: *const u8) -> __m512i {
-    let v = _mm_loadl_epi64(p as *const __m128i);
-    _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(v, v))
+    let m4 = _mm512_set1_epi8(0x0F);
+    for s in ch0 / 2..(ch0 + n) / 2 {
+        let v = _mm512_loadu_si512(rec.add(s * 64) as *const _);
+        let mut lo = _mm512_and_si512(v, m4);
+        let mut hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        match F::INTS {
+            Ints::Five => {
+                let qh = rec.add(w.rec.qh) as *const u64;
+                let b16 = _mm512_set1_epi8(0x10);
+                lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(qh.add(2 * s).read_unaligned()), lo, b16);
+                hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(qh.add(2 * s + 1).read_unaligned()), hi, b16);
+            }
+            Ints::Six => {
+                // Half-block s / 2; this vector's chunks are its m = 2(s % 2) and m + 1: their
+                // bits 2m..2m + 2 go to bits 4..6 (16-bit shifts; the mask drops what crossed
+                // bytes).
+                let hb = _mm512_loadu_si512(rec.add(w.rec.qh + (s / 2) * 64) as *const _);
+                let m30 = _mm512_set1_epi8(0x30);
+                let (b0, b1) = if s % 2 == 0 {
+                    (_mm512_slli_epi16(hb, 4), _mm512_slli_epi16(hb, 2))
+                } else {
+                    (hb, _mm512_srli_epi16(hb, 2))
+                };
+                lo = _mm512_or_si512(lo, _mm512_and_si512(b0, m30));
+                hi = _mm512_or_si512(hi, _mm512_and_si512(b1, m30));
+            }
+            _ => {}
+        }
+        for r in 0..R {
+            p[r] = _mm512_dpbusd_epi32(p[r], lo, bcast(r, 2 * s));
+            if split {
+                q[r] = _mm512_dpbusd_epi32(q[r], hi, bcast(r, 2 * s + 1));
+            } else {
+                p[r] = _mm512_dpbusd_epi32(p[r], hi, bcast(r, 2 * s + 1));
+            }
+        }
+    }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile<F: Fmt, const R: usize, const C: usize>(
+unsafe fn tile<F: Fmt, const R: usize>(
     w: &PackedMatrix,
-    n: usize,
+    t: usize,
     x: &Q8Rows,
     r0: usize,
     out: *mut f32,
@@ -103,105 +133,104 @@ unsafe fn tile<F: Fmt, const R: usize, const C: usize>(
     prefetch: bool,
 ) {
     let groups = w.groups();
-    let mut acc = [[_mm512_setzero_ps(); C]; R];
+    let lda = x.nbp * QK;
+    let z = _mm512_setzero_si512();
+    let mut acc = [_mm512_setzero_ps(); R];
     for g in 0..groups {
-        if prefetch {
-            prefetch_group::<F>(w, n * groups + g);
-        }
-        let mut p = [[_mm512_setzero_si512(); C]; R];
-        for h in 0..2 {
-            let mut wv = [[_mm512_setzero_si512(); 2]; C];
-            for c in 0..C {
-                wv[c] = weights::<F>(w, (n + c) * groups + g, h);
-            }
-            for mm in 0..2 {
-                for r in 0..R {
-                    let xa = x.qs.as_ptr().add(((r0 + r) * groups + g) * GROUP + (2 * h + mm) * 64);
-                    let a = _mm512_loadu_si512(xa as *const _);
-                    for c in 0..C {
-                        p[r][c] = _mm512_dpbusd_epi32(p[r][c], wv[c][mm], a);
+        let rec = w.record(t, g);
+        let a = x.qs.as_ptr().add(r0 * lda + g * GROUP) as *const u8;
+        // Block index of row r's first block in this group.
+        let blk = |r: usize| (r0 + r) * x.nbp + g * 8;
+        match F::SCALES {
+            ScaleKind::F16 => {
+                for j in 0..8 {
+                    if prefetch {
+                        prefetch_part(rec, w.rec.size, j, 8);
                     }
-                }
-            }
-        }
-        for c in 0..C {
-            let gi = (n + c) * groups + g;
-            match F::SCALES {
-                ScaleKind::F16 => {
-                    let d8 = _mm_loadu_si128(w.d16.as_ptr().add(gi * 8) as *const __m128i);
-                    let d16 = _mm256_set_m128i(_mm_unpackhi_epi16(d8, d8), _mm_unpacklo_epi16(d8, d8));
-                    let dw = _mm512_cvtph_ps(d16);
+                    let (mut p, mut q) = ([z; R], [z; R]);
+                    dots::<F, R>(w, rec, 8 * j, 8, a, lda, &mut p, &mut q);
+                    let dw = _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(w.rec.d + 32 * j) as *const _));
                     let mw = if F::MIN {
-                        let m8 = _mm_loadu_si128(w.m16.as_ptr().add(gi * 8) as *const __m128i);
-                        _mm512_cvtph_ps(_mm256_set_m128i(
-                            _mm_unpackhi_epi16(m8, m8),
-                            _mm_unpacklo_epi16(m8, m8),
-                        ))
+                        _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(w.rec.m + 32 * j) as *const _))
                     } else {
                         _mm512_setzero_ps()
                     };
                     for r in 0..R {
-                        let xg = (r0 + r) * groups + g;
-                        let pc = correct::<F>(p[r][c], x, xg);
-                        let dx = _mm512_loadu_ps(x.dl.as_ptr().add(xg * 16));
-                        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pc), _mm512_mul_ps(dw, dx), acc[r][c]);
+                        let b = blk(r) + j;
+                        let mut pc = _mm512_add_epi32(p[r], q[r]);
+                        if F::BIAS_SHIFT > 0 {
+                            pc = _mm512_sub_epi32(
+                                pc,
+                                _mm512_set1_epi32(*x.bsum.get_unchecked(b) << F::BIAS_SHIFT),
+                            );
+                        }
+                        let s = _mm512_mul_ps(dw, _mm512_set1_ps(*x.d.get_unchecked(b)));
+                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pc), s, acc[r]);
                         if F::MIN {
-                            let xs = _mm512_loadu_ps(x.xs.as_ptr().add(xg * 16));
-                            acc[r][c] = _mm512_fmadd_ps(mw, xs, acc[r][c]);
+                            acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*x.xs.get_unchecked(b)), acc[r]);
                         }
                     }
                 }
-                ScaleKind::K4 => {
-                    let gd = _mm512_set1_ps(w.gd[gi]);
-                    let scd = _mm512_mul_ps(_mm512_cvtepi32_ps(pairs_u8(w.sc.as_ptr().add(gi * 8))), gd);
-                    let wm = _mm512_mul_ps(
-                        _mm512_cvtepi32_ps(pairs_u8(w.mn.as_ptr().add(gi * 8))),
-                        _mm512_set1_ps(-w.gmin[gi]),
-                    );
+            }
+            ScaleKind::K4 => {
+                let mut i = [z; R];
+                for j in 0..8 {
+                    if prefetch {
+                        prefetch_part(rec, w.rec.size, j, 8);
+                    }
+                    let (mut p, mut q) = ([z; R], [z; R]);
+                    dots::<F, R>(w, rec, 8 * j, 8, a, lda, &mut p, &mut q);
+                    let sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(rec.add(w.rec.sc + 16 * j) as *const _));
                     for r in 0..R {
-                        let xg = (r0 + r) * groups + g;
-                        let s = _mm512_mul_ps(scd, _mm512_set1_ps(*x.d.get_unchecked(xg * 8)));
-                        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[r][c]), s, acc[r][c]);
-                        let xs = _mm512_loadu_ps(x.xs.as_ptr().add(xg * 16));
-                        acc[r][c] = _mm512_fmadd_ps(wm, xs, acc[r][c]);
+                        i[r] = _mm512_add_epi32(i[r], _mm512_mullo_epi32(_mm512_add_epi32(p[r], q[r]), sc));
                     }
                 }
-                ScaleKind::K6 => {
-                    let sc =
-                        _mm512_cvtepi8_epi32(_mm_loadu_si128(w.sc.as_ptr().add(gi * 16) as *const __m128i));
-                    let scd = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), _mm512_set1_ps(w.gd[gi]));
+                let mut m = [z; R];
+                for j in 0..8 {
+                    let mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(rec.add(w.rec.mn + 16 * j) as *const _));
                     for r in 0..R {
-                        let xg = (r0 + r) * groups + g;
-                        let s = _mm512_mul_ps(scd, _mm512_set1_ps(*x.d.get_unchecked(xg * 8)));
-                        let pc = correct::<F>(p[r][c], x, xg);
-                        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pc), s, acc[r][c]);
+                        let s = _mm512_set1_epi32(*x.bsum.get_unchecked(blk(r) + j));
+                        m[r] = _mm512_add_epi32(m[r], _mm512_mullo_epi32(mn, s));
                     }
+                }
+                let d = _mm512_loadu_ps(rec.add(w.rec.d) as *const f32);
+                let nd = _mm512_loadu_ps(rec.add(w.rec.m) as *const f32);
+                for r in 0..R {
+                    let dx = _mm512_set1_ps(*x.d.get_unchecked(blk(r)));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i[r]), _mm512_mul_ps(d, dx), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m[r]), _mm512_mul_ps(nd, dx), acc[r]);
+                }
+            }
+            ScaleKind::K6 => {
+                let mut i = [z; R];
+                for l in 0..16 {
+                    if prefetch {
+                        prefetch_part(rec, w.rec.size, l, 16);
+                    }
+                    let (mut p, mut q) = ([z; R], [z; R]);
+                    dots::<F, R>(w, rec, 4 * l, 4, a, lda, &mut p, &mut q);
+                    let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(rec.add(w.rec.sc + 16 * l) as *const _));
+                    for r in 0..R {
+                        let h = *x.hsum.get_unchecked(2 * blk(r) + l) << 5;
+                        let pc = _mm512_sub_epi32(_mm512_add_epi32(p[r], q[r]), _mm512_set1_epi32(h));
+                        i[r] = _mm512_add_epi32(i[r], _mm512_mullo_epi32(pc, sc));
+                    }
+                }
+                let d = _mm512_loadu_ps(rec.add(w.rec.d) as *const f32);
+                for r in 0..R {
+                    let dx = _mm512_set1_ps(*x.d.get_unchecked(blk(r)));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i[r]), _mm512_mul_ps(d, dx), acc[r]);
                 }
             }
         }
     }
+    let valid = (w.n - t * NT).min(NT);
     for r in 0..R {
-        for c in 0..C {
-            *out.add((r0 + r) * ldo + n + c) = reduce16(acc[r][c]);
+        let o = out.add((r0 + r) * ldo + t * NT);
+        if valid == NT {
+            _mm512_storeu_ps(o, acc[r]);
+        } else {
+            _mm512_mask_storeu_ps(o, ((1u32 << valid) - 1) as u16, acc[r]);
         }
     }
-}
-
-/// `P − bias·hs`: the dot of the signed integers from that of the stored unsigned ones.
-#[inline(always)]
-unsafe fn correct<F: Fmt>(p: __m512i, x: &Q8Rows, xg: usize) -> __m512i {
-    if F::BIAS_SHIFT == 0 {
-        return p;
-    }
-    let hs = _mm512_loadu_si512(x.hs.as_ptr().add(xg * 16) as *const _);
-    _mm512_sub_epi32(p, _mm512_sllv_epi32(hs, _mm512_set1_epi32(F::BIAS_SHIFT as i32)))
-}
-
-/// [`crate::scalar::reduce16`] on a register.
-#[inline(always)]
-unsafe fn reduce16(v: __m512) -> f32 {
-    crate::x86::reduce8(_mm256_add_ps(
-        _mm512_castps512_ps256(v),
-        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
-    ))
 }

@@ -45,7 +45,7 @@ impl QuantFormat {
     }
 
     /// Formats with an offset `m`: their integers are unsigned.
-    pub fn has_min(self) -> bool {
+    pub const fn has_min(self) -> bool {
         matches!(self, Self::Q4_1 | Self::Q5_1 | Self::Q4K)
     }
 
@@ -128,23 +128,22 @@ pub fn dequantize_row(format: QuantFormat, row: &[u8], out: &mut [f32]) {
 /// Activations quantized to 8 bits, the partner of every weight format here. Each run of
 /// `group` consecutive 32-value blocks shares one scale: 1 for the legacy formats, 8 (256
 /// values, llama.cpp's Q8_K) for K-quants. Rows are padded with zeros to `nbp` blocks (whole
-/// 256-value groups) and each group is stored in the weights' lane order
-/// ([`crate::packed::lane_pos`]), so a 64-byte load pairs with a 64-byte weight vector.
+/// 256-value groups), values in their natural order: the kernels broadcast 4 of them at a time.
 pub struct Q8Rows {
     pub rows: usize,
     pub k: usize,
     /// Padded blocks per row.
     pub nbp: usize,
-    /// `rows × nbp × 32`, lane-ordered per group.
+    /// `rows × nbp × 32`.
     pub qs: Vec<i8>,
     /// Per block (`rows × nbp`): the scale.
     pub d: Vec<f32>,
-    /// Per lane (`rows × nbp × 2`): its block's scale — `d` with each entry twice, kept so the
-    /// kernels load it with one instruction per row and group instead of shuffling `d` there.
-    pub dl: Vec<f32>,
-    /// Per lane (`rows × nbp × 2`, 16 per group): the sum of its 16 integers, and that sum times
-    /// its block's scale (the offset term of "_1" formats).
-    pub hs: Vec<i32>,
+    /// Per block: the sum of its 32 integers (the offset term of Q4_K, and the bias correction
+    /// of formats stored with one).
+    pub bsum: Vec<i32>,
+    /// Per half-block (`rows × nbp × 2`): the sum of its 16 integers (Q6_K's bias correction).
+    pub hsum: Vec<i32>,
+    /// Per block: `d · bsum` (the offset term of the "_1" formats).
     pub xs: Vec<f32>,
 }
 
@@ -156,32 +155,28 @@ impl Q8Rows {
         let kp = nbp * QK;
         let mut qs = vec![0i8; rows * kp];
         let mut d = vec![0f32; rows * nbp];
-        let mut hs = vec![0i32; rows * nbp * 2];
-        let mut xs = vec![0f32; rows * nbp * 2];
-        let mut dl = vec![0f32; rows * nbp * 2];
+        let mut bsum = vec![0i32; rows * nbp];
+        let mut hsum = vec![0i32; rows * nbp * 2];
+        let mut xs = vec![0f32; rows * nbp];
         // Rows are independent; big batches quantize on all threads. A few rows (a drafter's
         // block, a decode step) take microseconds, less than waking the pool.
         type Row<'a> =
-            (((&'a [f32], &'a mut [i8]), &'a mut [f32]), ((&'a mut [i32], &'a mut [f32]), &'a mut [f32]));
-        let row = |(((x, q), d), ((h, s), l)): Row| quantize_row(x, q, d, h, s, l, group);
+            (((&'a [f32], &'a mut [i8]), &'a mut [f32]), ((&'a mut [i32], &'a mut [i32]), &'a mut [f32]));
+        let row = |(((x, q), d), ((b, h), s)): Row| quantize_row(x, q, d, b, h, s, group);
         if rows * k >= 64 * 1024 {
             x.par_chunks(k)
                 .zip(qs.par_chunks_mut(kp))
                 .zip(d.par_chunks_mut(nbp))
-                .zip(
-                    hs.par_chunks_mut(2 * nbp)
-                        .zip(xs.par_chunks_mut(2 * nbp))
-                        .zip(dl.par_chunks_mut(2 * nbp)),
-                )
+                .zip(bsum.par_chunks_mut(nbp).zip(hsum.par_chunks_mut(2 * nbp)).zip(xs.par_chunks_mut(nbp)))
                 .for_each(row);
         } else {
             x.chunks(k)
                 .zip(qs.chunks_mut(kp))
                 .zip(d.chunks_mut(nbp))
-                .zip(hs.chunks_mut(2 * nbp).zip(xs.chunks_mut(2 * nbp)).zip(dl.chunks_mut(2 * nbp)))
+                .zip(bsum.chunks_mut(nbp).zip(hsum.chunks_mut(2 * nbp)).zip(xs.chunks_mut(nbp)))
                 .for_each(row);
         }
-        Self { rows, k, nbp, qs, d, dl, hs, xs }
+        Self { rows, k, nbp, qs, d, bsum, hsum, xs }
     }
 }
 
@@ -189,51 +184,36 @@ fn quantize_row(
     x: &[f32],
     qs: &mut [i8],
     d: &mut [f32],
-    hs: &mut [i32],
+    bsum: &mut [i32],
+    hsum: &mut [i32],
     xs: &mut [f32],
-    dl: &mut [f32],
     group: usize,
 ) {
     let span = group * QK;
-    let mut plain = [0i8; 256];
-    let nb = x.len() / QK;
-    for g in 0..nb.div_ceil(8) {
-        plain.fill(0);
-        for j in 0..8 {
-            let b = g * 8 + j;
-            if b >= nb {
-                break;
-            }
-            if b % group == 0 {
-                // Lane-wise maxima so that the loop vectorises.
-                let mut m = [0f32; 8];
-                for c in x[b * QK..b * QK + span].chunks_exact(8) {
-                    for l in 0..8 {
-                        m[l] = m[l].max(c[l].abs());
-                    }
+    for b in 0..x.len() / QK {
+        if b % group == 0 {
+            // Lane-wise maxima so that the loop vectorises.
+            let mut m = [0f32; 8];
+            for c in x[b * QK..b * QK + span].chunks_exact(8) {
+                for l in 0..8 {
+                    m[l] = m[l].max(c[l].abs());
                 }
-                let amax = m.iter().fold(0f32, |a, &v| a.max(v));
-                d[b] = amax / 127.0;
-            } else {
-                d[b] = d[b - 1];
             }
-            let id = if d[b] > 0.0 { 1.0 / d[b] } else { 0.0 };
-            for (q, &v) in plain[j * QK..(j + 1) * QK].iter_mut().zip(&x[b * QK..(b + 1) * QK]) {
-                *q = (v * id).round_ties_even() as i8;
-            }
+            let amax = m.iter().fold(0f32, |a, &v| a.max(v));
+            d[b] = amax / 127.0;
+        } else {
+            d[b] = d[b - 1];
         }
-        // Lane order (see `packed::lane_pos`): four values at a time.
-        let out = &mut qs[g * 256..(g + 1) * 256];
-        for l in 0..16 {
-            for m in 0..4 {
-                out[m * 64 + 4 * l..][..4].copy_from_slice(&plain[16 * l + 4 * m..][..4]);
-            }
+        let id = if d[b] > 0.0 { 1.0 / d[b] } else { 0.0 };
+        let q = &mut qs[b * QK..(b + 1) * QK];
+        for (q, &v) in q.iter_mut().zip(&x[b * QK..(b + 1) * QK]) {
+            *q = (v * id).round_ties_even() as i8;
         }
-        for l in 0..16 {
-            let sum: i32 = plain[16 * l..16 * l + 16].iter().map(|&q| q as i32).sum();
-            hs[g * 16 + l] = sum;
-            dl[g * 16 + l] = d[g * 8 + l / 2];
-            xs[g * 16 + l] = d[g * 8 + l / 2] * sum as f32;
-        }
+        let h0: i32 = q[..16].iter().map(|&v| v as i32).sum();
+        let h1: i32 = q[16..].iter().map(|&v| v as i32).sum();
+        hsum[2 * b] = h0;
+        hsum[2 * b + 1] = h1;
+        bsum[b] = h0 + h1;
+        xs[b] = d[b] * (h0 + h1) as f32;
     }
 }

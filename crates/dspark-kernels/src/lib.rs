@@ -1,10 +1,10 @@
 //! Quantized matmul for the GGUF formats our models use (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
 //! Q6_K). candle runs the legacy formats with a scalar loop that does not speed up with batch
 //! size, so verifying k tokens would cost k decodes. Here weights are repacked once at load
-//! ([`PackedMatrix`]), activations are quantized to 8 bits, and AVX2 kernels (detected at run
-//! time, with a portable fallback) reuse each unpacked weight block across a register tile of
-//! activation rows. Every row runs the same arithmetic whatever its batch, so batching never
-//! changes a result.
+//! into tiles of 16 output columns ([`PackedMatrix`]), activations are quantized to 8 bits,
+//! and AVX-512 VNNI or AVX2 kernels (detected at run time, with a portable fallback) reuse each
+//! unpacked weight vector across up to 8 activation rows. Every row runs the same arithmetic
+//! whatever its batch ([`scalar`] defines it), so batching never changes a result.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -24,7 +24,7 @@ mod scalar;
 
 pub use format::{decode_block, dequantize_row, Q8Rows, QuantFormat, QK};
 pub use linear::{KernelChoice, QLinear};
-pub use packed::{PackedMatrix, ScaleKind, WeightBuf, GROUP, HUGE_PAGES};
+pub use packed::{ColumnGroup, PackedMatrix, Record, ScaleKind, WeightBuf, GROUP, HUGE_PAGES, NT};
 pub use path::{kernel_env_error, kernel_path, KernelPath};
 
 use rayon::prelude::*;
@@ -54,13 +54,11 @@ pub fn matmul_on(path: KernelPath, w: &PackedMatrix, x: &[f32], m: usize, y: &mu
     assert_eq!(x.len(), m * k);
     assert_eq!(y.len(), m * n);
     let path = if path.available() { path } else { KernelPath::Scalar };
-    let (qsb, qhb) = PackedMatrix::group_bytes(w.format);
-    let col_bytes = w.groups() * (qsb + qhb);
-    // Enough chunks for two threads to balance, few enough that scheduling stays cheap, and small
-    // enough that a chunk's weights stay in L2 while every tile of rows passes over them; even,
-    // for the two-column tiles.
-    let chunk = (n / 32).clamp(8, 256).min((512 << 10) / col_bytes.max(1)).max(2).next_multiple_of(2);
-    let chunks = n.div_ceil(chunk);
+    let tile_bytes = w.groups() * w.rec.size;
+    // Enough chunks for two threads to balance, few enough that scheduling stays cheap, and
+    // small enough that a chunk's weights stay in L2 while every pass of rows reads them.
+    let chunk = (w.tiles / 32).clamp(1, 16).min((512 << 10) / tile_bytes.max(1)).max(1);
+    let chunks = w.tiles.div_ceil(chunk);
     for r0 in (0..m).step_by(MAX_BATCH_ROWS) {
         let rows = (m - r0).min(MAX_BATCH_ROWS);
         // K-quants take one activation scale per 256-value super-block.
@@ -68,18 +66,18 @@ pub fn matmul_on(path: KernelPath, w: &PackedMatrix, x: &[f32], m: usize, y: &mu
         let xq = Q8Rows::quantize(&x[r0 * k..(r0 + rows) * k], rows, k, w.nbp, group);
         let out = OutPtr(y[r0 * n..].as_mut_ptr());
         let run = |c: usize| {
-            let n0 = c * chunk;
-            let n1 = (n0 + chunk).min(n);
+            let t0 = c * chunk;
+            let t1 = (t0 + chunk).min(w.tiles);
             let out = &out;
             // SAFETY: the path's instructions were detected; x was quantized to w's padded
-            // width; each task writes only its own columns n0..n1 of rows it owns.
+            // width; each task writes only its own tiles' columns (below n) of rows it owns.
             unsafe {
                 match path {
                     #[cfg(target_arch = "x86_64")]
-                    KernelPath::Avx512Vnni => avx512::range(w, &xq, n0, n1, out.0, n),
+                    KernelPath::Avx512Vnni => avx512::range(w, &xq, t0, t1, out.0, n),
                     #[cfg(target_arch = "x86_64")]
-                    KernelPath::Avx2 => avx2::range(w, &xq, n0, n1, out.0, n),
-                    _ => scalar::range(w, &xq, n0, n1, out.0, n),
+                    KernelPath::Avx2 => avx2::range(w, &xq, t0, t1, out.0, n),
+                    _ => scalar::range(w, &xq, t0 * NT, (t1 * NT).min(n), out.0, n),
                 }
             }
         };
@@ -152,13 +150,14 @@ mod tests {
 
     /// Every path against the portable definition, bit for bit, for every format and batch
     /// sizes 1…64; and each row of a batch equals that row computed alone. Shapes with an odd
-    /// number of groups, a partly padded last group and an odd column count reach every tail.
+    /// number of groups, a partly padded last group and three tiles of columns, the last one
+    /// partial, reach every tail.
     #[test]
     fn every_path_equals_the_scalar_definition_bit_for_bit_for_k_1_to_64() {
         let all = FORMATS.into_iter().chain([GgmlDType::Q4K, GgmlDType::Q6K]);
         for fmt in all {
             let k = if matches!(fmt, GgmlDType::Q4K | GgmlDType::Q6K) { 2304 } else { 1056 };
-            let n = 13;
+            let n = 37;
             let q = QTensor::quantize(&random(n, k, 11), fmt).unwrap();
             let w = PackedMatrix::from_gguf(QuantFormat::from_ggml(fmt).unwrap(), &q.data().unwrap(), n, k);
             let x: Vec<f32> = random(64, k, 12).flatten_all().unwrap().to_vec1().unwrap();

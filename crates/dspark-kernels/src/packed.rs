@@ -1,29 +1,31 @@
-//! GGUF weights repacked once at load time into the layout every kernel path reads: rows of
-//! 256-value groups (one K-quant super-block, or eight 32-value blocks of the legacy formats;
-//! rows are padded to whole groups). A group's values are ordered for a 16-lane integer dot
-//! product: lane `l` owns the 16 values of half-block `l` (values `16l..16l + 16`), and the
-//! group is four 64-byte vectors `W_m` where bytes `4l..4l + 4` of `W_m` are values
-//! `16l + 4m..16l + 4m + 4`. One `vpdpbusd` per `W_m` then leaves in lane `l` a partial dot
-//! of half-block `l` — exactly the granularity of every format's scales (Q6_K scales 16 values,
-//! the others 32 = two lanes) — so scales apply lane-wise with no shuffles.
+//! GGUF weights repacked once at load time into the layout every kernel path reads: output
+//! columns (the weight matrix's rows) in tiles of [`NT`] = 16, each tile a contiguous run of
+//! records, one per 256-value group (one K-quant super-block, or eight 32-value blocks of the
+//! legacy formats; rows are padded to whole groups and columns to whole tiles, both with zero
+//! scales). Within a record every 64-byte vector holds 4 consecutive values of each of the 16
+//! columns (bytes `4c..4c + 4` are column `c`'s), so one `vpdpbusd` against 4 activation bytes
+//! broadcast to every lane adds a 4-term dot product to 16 columns at once: the lanes are
+//! columns, nothing is reduced across lanes, and each group's scales are applied once per
+//! column for 256 values (see [`crate::scalar`] for the arithmetic).
 //!
-//! Integers are stored unsigned (`u = q + bias`): 4-bit formats as nibbles (64 bytes hold `W_0`
-//! in the low and `W_1` in the high nibbles, the next 64 `W_2`/`W_3`), Q5's fifth bit as one
-//! 64-bit mask per `W_m`, Q6_K's two high bits as one byte per lane byte (bits `2m..2m + 2` for
-//! `W_m`), Q8_0 as `q + 128` bytes.
+//! Record, in order (values `4t..4t + 4` of the group form "chunk" `t`):
+//! - integers, unsigned (`u = q + bias`): 4-bit formats as 32 vectors of nibbles, vector `s`
+//!   holding chunk `2s` in its low and chunk `2s + 1` in its high nibbles; Q8_0 as 64 vectors
+//!   of bytes, one per chunk;
+//! - Q5's fifth bits as one 64-bit mask per chunk (bit `4c + i`); Q6_K's two high bits as one
+//!   vector per 16 values (half-block `l`, chunks `4l..4l + 4`: bits `2m..2m + 2` of byte
+//!   `4c + i` belong to chunk `4l + m`);
+//! - scales, column-minor (16 columns side by side): legacy formats `d` (and `m`) as f16 per
+//!   block; Q4_K `d` and `−dmin` as f32, then the 6-bit scales and mins per block as bytes;
+//!   Q6_K `d` as f32, then the i8 scale of each half-block.
 
 use crate::format::{decode_block, QuantFormat, QK};
 use half::f16;
 
 /// Values per group.
 pub const GROUP: usize = 256;
-
-/// Where value `v` (0..256) of a group sits: vector `m` and byte `x` within it.
-#[inline]
-pub fn lane_pos(v: usize) -> (usize, usize) {
-    let (l, m, i) = (v / 16, (v % 16) / 4, v % 4);
-    (m, 4 * l + i)
-}
+/// Columns per tile: the lanes of a 512-bit register of f32 or i32.
+pub const NT: usize = 16;
 
 /// How a group's scales are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,8 +34,67 @@ pub enum ScaleKind {
     F16,
     /// Q4_K: per group f32 `d`, `dmin`; per block 6-bit `sc`, `mn`: weight = d·sc·q − dmin·mn.
     K4,
-    /// Q6_K: per group f32 `d`; per 16 values (lane) an i8 scale.
+    /// Q6_K: per group f32 `d`; per 16 values (half-block) an i8 scale.
     K6,
+}
+
+/// Byte offsets of a record's parts (see the module documentation).
+#[derive(Debug, Clone, Copy)]
+pub struct Record {
+    pub qh: usize,
+    /// F16: `d` as f16, 8 blocks × 16 columns. K4/K6: `d` as f32 × 16.
+    pub d: usize,
+    /// F16 with offset: `m` as f16, 8 × 16. K4: `−dmin` as f32 × 16.
+    pub m: usize,
+    /// K4: 8 blocks × 16 bytes. K6: 16 half-blocks × 16 bytes (i8).
+    pub sc: usize,
+    /// K4: 8 blocks × 16 bytes.
+    pub mn: usize,
+    pub size: usize,
+}
+
+impl Record {
+    pub const fn of(format: QuantFormat) -> Self {
+        let qs = if matches!(format, QuantFormat::Q8_0) { 64 * 64 } else { 32 * 64 };
+        match format {
+            QuantFormat::Q4K => {
+                Self { qh: qs, d: qs, m: qs + 64, sc: qs + 128, mn: qs + 256, size: qs + 384 }
+            }
+            QuantFormat::Q6K => {
+                let qh = qs + 16 * 64;
+                Self { qh: qs, d: qh, m: qh, sc: qh + 64, mn: qh + 320, size: qh + 320 }
+            }
+            _ => {
+                let qh = if matches!(format, QuantFormat::Q5_0 | QuantFormat::Q5_1) { 64 * 8 } else { 0 };
+                let d = qs + qh;
+                let m = if format.has_min() { 256 } else { 0 };
+                Self { qh: qs, d, m: d + 256, sc: d + 256 + m, mn: d + 256 + m, size: d + 256 + m }
+            }
+        }
+    }
+}
+
+/// One column's share of one group, decoded: the unit repacking reads and writes.
+#[derive(Clone)]
+pub struct ColumnGroup {
+    /// Unsigned integers `u = q + bias`.
+    pub u: [u8; GROUP],
+    /// F16: per block `d` and `m` as f16 bits.
+    pub d16: [u16; 8],
+    pub m16: [u16; 8],
+    /// K4/K6: `d`; K4: `−dmin`.
+    pub d: f32,
+    pub nd: f32,
+    /// K4: per block scale (8); K6: per half-block scale as i8 bits (16).
+    pub sc: [u8; 16],
+    /// K4: per block min.
+    pub mn: [u8; 8],
+}
+
+impl Default for ColumnGroup {
+    fn default() -> Self {
+        Self { u: [0; GROUP], d16: [0; 8], m16: [0; 8], d: 0.0, nd: 0.0, sc: [0; 16], mn: [0; 8] }
+    }
 }
 
 pub struct PackedMatrix {
@@ -44,19 +105,11 @@ pub struct PackedMatrix {
     pub nb: usize,
     pub nbp: usize,
     pub scales: ScaleKind,
-    /// Per group: 128 bytes of nibbles, or 256 bytes (Q8_0).
-    pub qs: WeightBuf,
-    /// Per group, the bits above the nibble: Q5, four u64 masks (32 bytes); Q6_K, 64 bytes.
-    pub qh: WeightBuf,
-    /// `F16`: per block `d` (and `m`) as f16 bits.
-    pub d16: Vec<u16>,
-    pub m16: Vec<u16>,
-    /// `K4`/`K6`: per group `d` and (K4) `dmin`.
-    pub gd: Vec<f32>,
-    pub gmin: Vec<f32>,
-    /// `K4`: per block scale and min (8 per group). `K6`: per lane scale as i8 bits (16 per group).
-    pub sc: Vec<u8>,
-    pub mn: Vec<u8>,
+    /// Tiles of [`NT`] columns (the last one padded).
+    pub tiles: usize,
+    pub rec: Record,
+    /// `tiles × groups` records, tile-major.
+    pub buf: WeightBuf,
 }
 
 /// Zeroed bytes, aligned to 2 MiB when large, with the kernel asked to back them with huge pages.
@@ -146,16 +199,6 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 }
 
 impl PackedMatrix {
-    /// Bytes of `qs` and `qh` per group.
-    pub fn group_bytes(format: QuantFormat) -> (usize, usize) {
-        match format {
-            QuantFormat::Q8_0 => (256, 0),
-            QuantFormat::Q5_0 | QuantFormat::Q5_1 => (128, 32),
-            QuantFormat::Q6K => (128, 64),
-            _ => (128, 0),
-        }
-    }
-
     fn empty(format: QuantFormat, n: usize, k: usize) -> Self {
         assert_eq!(k % QK, 0);
         let nb = k / QK;
@@ -165,30 +208,10 @@ impl PackedMatrix {
             QuantFormat::Q6K => ScaleKind::K6,
             _ => ScaleKind::F16,
         };
-        let blocks = n * nbp;
-        let groups = blocks / 8;
-        let (qsb, qhb) = Self::group_bytes(format);
-        let k_quant = scales != ScaleKind::F16;
-        Self {
-            format,
-            n,
-            k,
-            nb,
-            nbp,
-            scales,
-            qs: WeightBuf::zeroed(groups * qsb),
-            qh: WeightBuf::zeroed(groups * qhb),
-            d16: if k_quant { Vec::new() } else { vec![0; blocks] },
-            m16: if format.has_min() && !k_quant { vec![0; blocks] } else { Vec::new() },
-            gd: if k_quant { vec![0.0; groups] } else { Vec::new() },
-            gmin: if scales == ScaleKind::K4 { vec![0.0; groups] } else { Vec::new() },
-            sc: match scales {
-                ScaleKind::K4 => vec![0; blocks],
-                ScaleKind::K6 => vec![0; groups * 16],
-                ScaleKind::F16 => Vec::new(),
-            },
-            mn: if scales == ScaleKind::K4 { vec![0; blocks] } else { Vec::new() },
-        }
+        let tiles = n.div_ceil(NT);
+        let rec = Record::of(format);
+        let buf = WeightBuf::zeroed(tiles * (nbp / 8) * rec.size);
+        Self { format, n, k, nb, nbp, scales, tiles, rec, buf }
     }
 
     /// Groups per row.
@@ -196,58 +219,147 @@ impl PackedMatrix {
         self.nbp / 8
     }
 
+    /// The record of tile `t`, group `g`.
+    #[inline(always)]
+    pub fn record(&self, t: usize, g: usize) -> *const u8 {
+        debug_assert!(t < self.tiles && g < self.groups());
+        // SAFETY (of the pointer's later use): in bounds by the assertion above.
+        self.buf.as_ptr().wrapping_add((t * self.groups() + g) * self.rec.size)
+    }
+
+    /// What is subtracted from the stored unsigned integers to get the signed ones.
+    pub fn bias(&self) -> i32 {
+        self.format.bias()
+    }
+
+    /// Writes column `col`'s part of group `g`.
+    pub fn put(&mut self, col: usize, g: usize, cg: &ColumnGroup) {
+        let (t, c) = (col / NT, col % NT);
+        let (rec, f) = (self.rec, self.format);
+        let off = (t * self.groups() + g) * rec.size;
+        let r = &mut self.buf[off..off + rec.size];
+        for (v, &u) in cg.u.iter().enumerate() {
+            let (ch, i) = (v / 4, v % 4);
+            let byte = 4 * c + i;
+            match f {
+                QuantFormat::Q8_0 => r[ch * 64 + byte] = u,
+                _ => r[(ch / 2) * 64 + byte] |= (u & 0x0F) << (4 * (ch % 2)),
+            }
+            match f {
+                QuantFormat::Q5_0 | QuantFormat::Q5_1 => {
+                    r[rec.qh + ch * 8 + byte / 8] |= ((u >> 4) & 1) << (byte % 8)
+                }
+                QuantFormat::Q6K => r[rec.qh + (v / 16) * 64 + byte] |= ((u >> 4) & 3) << (2 * (ch % 4)),
+                _ => {}
+            }
+        }
+        match self.scales {
+            ScaleKind::F16 => {
+                for j in 0..8 {
+                    r[rec.d + 32 * j + 2 * c..][..2].copy_from_slice(&cg.d16[j].to_le_bytes());
+                    if f.has_min() {
+                        r[rec.m + 32 * j + 2 * c..][..2].copy_from_slice(&cg.m16[j].to_le_bytes());
+                    }
+                }
+            }
+            ScaleKind::K4 => {
+                r[rec.d + 4 * c..][..4].copy_from_slice(&cg.d.to_le_bytes());
+                r[rec.m + 4 * c..][..4].copy_from_slice(&cg.nd.to_le_bytes());
+                for j in 0..8 {
+                    r[rec.sc + 16 * j + c] = cg.sc[j];
+                    r[rec.mn + 16 * j + c] = cg.mn[j];
+                }
+            }
+            ScaleKind::K6 => {
+                r[rec.d + 4 * c..][..4].copy_from_slice(&cg.d.to_le_bytes());
+                for l in 0..16 {
+                    r[rec.sc + 16 * l + c] = cg.sc[l];
+                }
+            }
+        }
+    }
+
+    /// Reads column `col`'s part of group `g`.
+    pub fn get(&self, col: usize, g: usize) -> ColumnGroup {
+        let (t, c) = (col / NT, col % NT);
+        let (rec, f) = (self.rec, self.format);
+        let off = (t * self.groups() + g) * rec.size;
+        let r = &self.buf[off..off + rec.size];
+        let mut cg = ColumnGroup::default();
+        for (v, u) in cg.u.iter_mut().enumerate() {
+            let (ch, i) = (v / 4, v % 4);
+            let byte = 4 * c + i;
+            *u = match f {
+                QuantFormat::Q8_0 => r[ch * 64 + byte],
+                _ => (r[(ch / 2) * 64 + byte] >> (4 * (ch % 2))) & 0x0F,
+            };
+            match f {
+                QuantFormat::Q5_0 | QuantFormat::Q5_1 => {
+                    *u |= ((r[rec.qh + ch * 8 + byte / 8] >> (byte % 8)) & 1) << 4
+                }
+                QuantFormat::Q6K => *u |= ((r[rec.qh + (v / 16) * 64 + byte] >> (2 * (ch % 4))) & 3) << 4,
+                _ => {}
+            }
+        }
+        let f32_at = |o: usize| f32::from_le_bytes([r[o], r[o + 1], r[o + 2], r[o + 3]]);
+        match self.scales {
+            ScaleKind::F16 => {
+                for j in 0..8 {
+                    cg.d16[j] = f16_bits(r, rec.d + 32 * j + 2 * c);
+                    if f.has_min() {
+                        cg.m16[j] = f16_bits(r, rec.m + 32 * j + 2 * c);
+                    }
+                }
+            }
+            ScaleKind::K4 => {
+                cg.d = f32_at(rec.d + 4 * c);
+                cg.nd = f32_at(rec.m + 4 * c);
+                for j in 0..8 {
+                    cg.sc[j] = r[rec.sc + 16 * j + c];
+                    cg.mn[j] = r[rec.mn + 16 * j + c];
+                }
+            }
+            ScaleKind::K6 => {
+                cg.d = f32_at(rec.d + 4 * c);
+                for l in 0..16 {
+                    cg.sc[l] = r[rec.sc + 16 * l + c];
+                }
+            }
+        }
+        cg
+    }
+
     /// The matrix made of rows `ids` (e.g. an LM head restricted to a draft vocabulary).
     pub fn select_rows(&self, ids: &[usize]) -> Self {
-        fn pick<T: Copy>(v: &[T], n: usize, ids: &[usize]) -> Vec<T> {
-            if v.is_empty() {
-                return Vec::new();
-            }
-            // Every array is row-major with the same number of entries per row.
-            let per = v.len() / n;
-            let mut out = Vec::with_capacity(per * ids.len());
-            for &i in ids {
-                out.extend_from_slice(&v[i * per..(i + 1) * per]);
-            }
-            out
-        }
         assert!(ids.iter().all(|&i| i < self.n), "row index out of range");
-        let n = self.n;
-        Self {
-            format: self.format,
-            n: ids.len(),
-            k: self.k,
-            nb: self.nb,
-            nbp: self.nbp,
-            scales: self.scales,
-            qs: WeightBuf::from_slice(&pick(&self.qs, n, ids)),
-            qh: WeightBuf::from_slice(&pick(&self.qh, n, ids)),
-            d16: pick(&self.d16, n, ids),
-            m16: pick(&self.m16, n, ids),
-            gd: pick(&self.gd, n, ids),
-            gmin: pick(&self.gmin, n, ids),
-            sc: pick(&self.sc, n, ids),
-            mn: pick(&self.mn, n, ids),
+        let mut p = Self::empty(self.format, ids.len(), self.k);
+        for (j, &i) in ids.iter().enumerate() {
+            for g in 0..self.groups() {
+                p.put(j, g, &self.get(i, g));
+            }
         }
+        p
     }
 
     /// Repacks `n` rows of `k` values of GGUF data.
     pub fn from_gguf(format: QuantFormat, data: &[u8], n: usize, k: usize) -> Self {
         let mut p = Self::empty(format, n, k);
         let (nb, nbp) = (p.nb, p.nbp);
-        let mut u = [0u8; GROUP];
+        let mut cg = ColumnGroup::default();
         match format {
             QuantFormat::Q4K | QuantFormat::Q6K => {
                 assert_eq!(k % 256, 0, "K-quant rows are whole 256-value super-blocks");
                 let sbb = format.block_bytes();
                 assert_eq!(data.len(), n * k / 256 * sbb, "weight bytes do not match n × k");
-                // nbp == nb for K-quants: super-block s is group s.
-                for (g, sb) in data.chunks_exact(sbb).enumerate() {
+                // nbp == nb for K-quants: super-block s of a row is group s.
+                let groups = k / 256;
+                for (i, sb) in data.chunks_exact(sbb).enumerate() {
                     if format == QuantFormat::Q4K {
-                        p.unpack_q4k(g, sb, &mut u);
+                        unpack_q4k(sb, &mut cg);
                     } else {
-                        p.unpack_q6k(g, sb, &mut u);
+                        unpack_q6k(sb, &mut cg);
                     }
-                    p.put_group(g, &u);
+                    p.put(i / groups, i % groups, &cg);
                 }
             }
             _ => {
@@ -257,24 +369,23 @@ impl PackedMatrix {
                 let mut q = [0i32; QK];
                 for row in 0..n {
                     for g in 0..nbp / 8 {
-                        u.fill(0);
+                        cg = ColumnGroup::default();
                         for j in 0..8 {
                             let b = g * 8 + j;
                             if b >= nb {
-                                break; // padding: zero scales, any integers
+                                break; // padding: zero scales, zero integers
                             }
                             let blk = &data[(row * nb + b) * bb..][..bb];
-                            let i = row * nbp + b;
-                            p.d16[i] = f16_bits(blk, 0);
+                            cg.d16[j] = f16_bits(blk, 0);
                             if format.has_min() {
-                                p.m16[i] = f16_bits(blk, 2);
+                                cg.m16[j] = f16_bits(blk, 2);
                             }
                             decode_block(format, blk, &mut q);
-                            for (x, &qi) in u[j * QK..(j + 1) * QK].iter_mut().zip(&q) {
+                            for (x, &qi) in cg.u[j * QK..(j + 1) * QK].iter_mut().zip(&q) {
                                 *x = (qi + bias) as u8;
                             }
                         }
-                        p.put_group(row * (nbp / 8) + g, &u);
+                        p.put(row, g, &cg);
                     }
                 }
             }
@@ -282,126 +393,54 @@ impl PackedMatrix {
         p
     }
 
-    /// Stores the 256 unsigned integers of global group `gi` in the lane layout.
-    fn put_group(&mut self, gi: usize, u: &[u8; GROUP]) {
-        let (qsb, qhb) = Self::group_bytes(self.format);
-        let qs = &mut self.qs[gi * qsb..(gi + 1) * qsb];
-        let qh = &mut self.qh[gi * qhb..(gi + 1) * qhb];
-        // Value 16l + 4m + i goes to byte 4l + i of vector m (see `lane_pos`).
-        for l in 0..16 {
-            for m in 0..4 {
-                let src = &u[16 * l + 4 * m..][..4];
-                let byte = 4 * l;
-                match self.format {
-                    QuantFormat::Q8_0 => qs[m * 64 + byte..][..4].copy_from_slice(src),
-                    _ => {
-                        for (i, &x) in src.iter().enumerate() {
-                            qs[(m / 2) * 64 + byte + i] |= (x & 0x0F) << (4 * (m % 2));
-                        }
-                    }
-                }
-                match self.format {
-                    QuantFormat::Q5_0 | QuantFormat::Q5_1 => {
-                        let bits = src.iter().enumerate().fold(0u8, |b, (i, &x)| b | (((x >> 4) & 1) << i));
-                        qh[m * 8 + byte / 8] |= bits << (byte % 8);
-                    }
-                    QuantFormat::Q6K => {
-                        for (i, &x) in src.iter().enumerate() {
-                            qh[byte + i] |= ((x >> 4) & 3) << (2 * m);
-                        }
-                    }
-                    _ => {}
-                }
-            }
-        }
-    }
-
-    /// The unsigned integer of value `v` of global group `gi`.
-    pub fn value(&self, gi: usize, v: usize) -> u8 {
-        let (qsb, qhb) = Self::group_bytes(self.format);
-        let (m, byte) = lane_pos(v);
-        let qs = &self.qs[gi * qsb..];
-        if self.format == QuantFormat::Q8_0 {
-            return qs[m * 64 + byte];
-        }
-        let lo = (qs[(m / 2) * 64 + byte] >> (4 * (m % 2))) & 0x0F;
-        let qh = &self.qh[gi * qhb..];
-        match self.format {
-            QuantFormat::Q5_0 | QuantFormat::Q5_1 => lo | (((qh[m * 8 + byte / 8] >> (byte % 8)) & 1) << 4),
-            QuantFormat::Q6K => lo | (((qh[byte] >> (2 * m)) & 3) << 4),
-            _ => lo,
-        }
-    }
-
-    fn unpack_q4k(&mut self, g: usize, sb: &[u8], u: &mut [u8; GROUP]) {
-        // d, dmin, scales[12], qs[128]; sub-block j: low (j even) or high (j odd) nibbles of
-        // qs[32·(j/2) ..][..32].
-        self.gd[g] = f32_of(f16_bits(sb, 0));
-        self.gmin[g] = f32_of(f16_bits(sb, 2));
-        let (scales, qs) = (&sb[4..16], &sb[16..144]);
-        for j in 0..8 {
-            let (sc, mn) = scale_min_k4(j, scales);
-            self.sc[g * 8 + j] = sc;
-            self.mn[g * 8 + j] = mn;
-            for (l, &b) in qs[32 * (j / 2)..][..32].iter().enumerate() {
-                u[j * 32 + l] = if j % 2 == 0 { b & 0x0F } else { b >> 4 };
-            }
-        }
-    }
-
-    fn unpack_q6k(&mut self, g: usize, sb: &[u8], u: &mut [u8; GROUP]) {
-        // ql[128], qh[64], scales[16], d: value e, 128-chunk c, quarter t = (e % 128) / 32,
-        // lane l = e % 32 has its low 4 bits in ql[64c + 32·(t % 2) + l] (low nibble for t < 2,
-        // high otherwise) and its 2 high bits in qh[32c + l] at bit 2t. Scales: e / 16.
-        let (ql, qh) = (&sb[..128], &sb[128..192]);
-        for (e, x) in u.iter_mut().enumerate() {
-            let (c, t, l) = (e / 128, (e % 128) / 32, e % 32);
-            let lo = (ql[64 * c + 32 * (t % 2) + l] >> (4 * (t / 2))) & 0x0F;
-            let hi = (qh[32 * c + l] >> (2 * t)) & 3;
-            *x = lo | (hi << 4);
-        }
-        self.gd[g] = f32_of(f16_bits(sb, 208));
-        self.sc[g * 16..(g + 1) * 16].copy_from_slice(&sb[192..208]);
-    }
-
-    /// The signed integers of block `b` of `row` and the scales of its low and high halves and
-    /// its offset: value l = d_lo·q[l] + m for l < 16, d_hi·q[l] + m otherwise.
-    pub fn block(&self, row: usize, b: usize, q: &mut [i32; QK]) -> (f32, f32, f32) {
-        let i = row * self.nbp + b;
-        let (gi, j) = (i / 8, i % 8);
-        let bias = self.bias();
-        for (l, qi) in q.iter_mut().enumerate() {
-            *qi = self.value(gi, j * QK + l) as i32 - bias;
-        }
-        match self.scales {
-            ScaleKind::F16 => {
-                let d = f32_of(self.d16[i]);
-                let m = if self.m16.is_empty() { 0.0 } else { f32_of(self.m16[i]) };
-                (d, d, m)
-            }
-            ScaleKind::K4 => {
-                let d = self.gd[gi] * self.sc[i] as f32;
-                (d, d, -self.gmin[gi] * self.mn[i] as f32)
-            }
-            ScaleKind::K6 => {
-                let s = &self.sc[gi * 16..];
-                (self.gd[gi] * s[2 * j] as i8 as f32, self.gd[gi] * s[2 * j + 1] as i8 as f32, 0.0)
-            }
-        }
-    }
-
-    /// What is subtracted from the stored unsigned integers to get the signed ones.
-    pub fn bias(&self) -> i32 {
-        self.format.bias()
-    }
-
+    /// Row `row` of the weights as f32, as candle dequantizes it.
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
-        let mut q = [0i32; QK];
-        for (b, chunk) in out.chunks_mut(QK).enumerate().take(self.nb) {
-            let (dlo, dhi, m) = self.block(row, b, &mut q);
-            for (l, (o, &qi)) in chunk.iter_mut().zip(q.iter()).enumerate() {
-                *o = if l < 16 { dlo } else { dhi } * qi as f32 + m;
+        let bias = self.bias();
+        for (g, chunk) in out.chunks_mut(GROUP).enumerate() {
+            let cg = self.get(row, g);
+            for (v, o) in chunk.iter_mut().enumerate() {
+                let j = v / QK;
+                let q = cg.u[v] as i32 - bias;
+                *o = match self.scales {
+                    ScaleKind::F16 => {
+                        let m = if self.format.has_min() { f32_of(cg.m16[j]) } else { 0.0 };
+                        f32_of(cg.d16[j]) * q as f32 + m
+                    }
+                    ScaleKind::K4 => (cg.d * cg.sc[j] as f32) * q as f32 + cg.nd * cg.mn[j] as f32,
+                    ScaleKind::K6 => (cg.d * cg.sc[v / 16] as i8 as f32) * q as f32,
+                };
             }
         }
     }
+}
+
+fn unpack_q4k(sb: &[u8], cg: &mut ColumnGroup) {
+    // d, dmin, scales[12], qs[128]; sub-block j: low (j even) or high (j odd) nibbles of
+    // qs[32·(j/2) ..][..32].
+    cg.d = f32_of(f16_bits(sb, 0));
+    cg.nd = -f32_of(f16_bits(sb, 2));
+    let (scales, qs) = (&sb[4..16], &sb[16..144]);
+    for j in 0..8 {
+        let (sc, mn) = scale_min_k4(j, scales);
+        cg.sc[j] = sc;
+        cg.mn[j] = mn;
+        for (l, &b) in qs[32 * (j / 2)..][..32].iter().enumerate() {
+            cg.u[j * 32 + l] = if j % 2 == 0 { b & 0x0F } else { b >> 4 };
+        }
+    }
+}
+
+fn unpack_q6k(sb: &[u8], cg: &mut ColumnGroup) {
+    // ql[128], qh[64], scales[16], d: value e, 128-chunk c, quarter t = (e % 128) / 32,
+    // lane l = e % 32 has its low 4 bits in ql[64c + 32·(t % 2) + l] (low nibble for t < 2,
+    // high otherwise) and its 2 high bits in qh[32c + l] at bit 2t. Scales: e / 16.
+    let (ql, qh) = (&sb[..128], &sb[128..192]);
+    for (e, x) in cg.u.iter_mut().enumerate() {
+        let (c, t, l) = (e / 128, (e % 128) / 32, e % 32);
+        let lo = (ql[64 * c + 32 * (t % 2) + l] >> (4 * (t / 2))) & 0x0F;
+        let hi = (qh[32 * c + l] >> (2 * t)) & 3;
+        *x = lo | (hi << 4);
+    }
+    cg.d = f32_of(f16_bits(sb, 208));
+    cg.sc.copy_from_slice(&sb[192..208]);
 }

@@ -1,91 +1,78 @@
-//! The portable kernel and the definition of every path's arithmetic. Per weight row and
-//! activation row, 16 float lanes accumulate, group by group (256 values):
+//! The portable kernel and the definition of every path's arithmetic. Per weight column `n`
+//! and activation row `r`, one float accumulator runs over the row's groups in order:
 //!
 //! ```text
-//! Pc[l] = Σ over lane l's 16 values of q·a               exact integers (q signed)
-//! F16: acc[l] = fma(Pc[l], d_w·d_x, acc[l]);  with offset m: acc[l] = fma(m, xs[l], acc[l])
-//! K4:  acc[l] = fma(Pc[l], (sc·d)·d_x, acc[l]);  acc[l] = fma(mn·(−dmin), xs[l], acc[l])
-//! K6:  acc[l] = fma(Pc[l], (sc[l]·d)·d_x, acc[l])
-//! y   = ((acc[0..8] + acc[8..16]) folded 8 → 4 → 2 → 1, each step adding the upper half)
+//! P_b = Σ over block b's 32 values of q·a            exact integers (q signed)
+//! P_l = the same over half-block l's 16 values
+//! F16, per block b:  acc = fma(P_b, d_w·d_x, acc);   with offset m: acc = fma(m, xs_b, acc)
+//! K4, per group:     I = Σ_j sc_j·P_j,  M = Σ_j mn_j·S_j     (exact; S_j = Σ a over block j)
+//!                    acc = fma(I, d·d_x, acc);  acc = fma(M, (−dmin)·d_x, acc)
+//! K6, per group:     I = Σ_l sc_l·P_l;  acc = fma(I, d·d_x, acc)
+//! y = acc
 //! ```
 //!
-//! `xs[l]` is the activation's lane sum times its scale. Each product of scales is one f32
-//! multiply, left to right as written (`sc·d` is exact: a small integer times an f16 value). The SIMD paths compute the same integers
-//! (any exact way) and the same lane-wise float operations in the same order, so every path
-//! gives the same bits, and a row's result never depends on the other rows of its batch.
+//! `xs_b` is block b's activation sum times its scale; each product of scales is one f32
+//! multiply, and an integer is converted to f32 once, rounding to nearest even. K-quant scales
+//! apply to exact integer sums (as llama.cpp's do), so a K-quant group costs one or two float
+//! operations per column. The SIMD paths compute the same integers (any exact way) and the
+//! same float operations in the same order, with 16 (or 8) columns in a register's lanes, so
+//! every path gives the same bits, and a row's result never depends on the other rows of its
+//! batch.
 
-use crate::format::Q8Rows;
-use crate::packed::{lane_pos, PackedMatrix, ScaleKind, GROUP};
+use crate::format::{Q8Rows, QK};
+use crate::packed::{PackedMatrix, ScaleKind, GROUP};
 use half::f16;
-
-/// The fixed reduction of 16 lanes.
-#[inline]
-pub fn reduce16(acc: &[f32; 16]) -> f32 {
-    let mut r = [0f32; 8];
-    for l in 0..8 {
-        r[l] = acc[l] + acc[l + 8];
-    }
-    for w in [4, 2, 1] {
-        for l in 0..w {
-            r[l] += r[l + w];
-        }
-    }
-    r[0]
-}
 
 /// `out[r·ldo + n] = Σ_k x[r][k]·w[n][k]` for `n` in `n0..n1`, all rows of `x`.
 ///
 /// # Safety
 /// `out` must have room for `x.rows` rows of stride `ldo` covering columns `n0..n1`.
 pub unsafe fn range(w: &PackedMatrix, x: &Q8Rows, n0: usize, n1: usize, out: *mut f32, ldo: usize) {
+    let mut acc = vec![0f32; x.rows];
     for n in n0..n1 {
-        for r in 0..x.rows {
-            *out.add(r * ldo + n) = dot(w, n, x, r);
+        acc.fill(0.0);
+        for g in 0..w.groups() {
+            group(w, n, g, x, &mut acc);
+        }
+        for (r, &a) in acc.iter().enumerate() {
+            *out.add(r * ldo + n) = a;
         }
     }
 }
 
-fn dot(w: &PackedMatrix, n: usize, x: &Q8Rows, r: usize) -> f32 {
-    let groups = w.groups();
+/// Adds group `g` of column `n` to every row's accumulator.
+fn group(w: &PackedMatrix, n: usize, g: usize, x: &Q8Rows, acc: &mut [f32]) {
+    let cg = w.get(n, g);
     let bias = w.bias();
-    let mut acc = [0f32; 16];
-    for g in 0..groups {
-        let gi = n * groups + g;
-        let xg = r * groups + g;
-        let a = &x.qs[xg * GROUP..(xg + 1) * GROUP];
-        let mut pc = [0i32; 16];
-        for v in 0..GROUP {
-            let (m, byte) = lane_pos(v);
-            let q = w.value(gi, v) as i32 - bias;
-            pc[v / 16] += q * a[m * 64 + byte] as i32;
-        }
-        let dx = x.d[xg * 8];
+    let kp = x.nbp * QK;
+    for (r, acc) in acc.iter_mut().enumerate() {
+        let a = &x.qs[r * kp + g * GROUP..][..GROUP];
+        // Σ q·a over values v0..v0 + len, q signed.
+        let dot = |v0: usize, len: usize| -> i32 {
+            (v0..v0 + len).map(|v| (cg.u[v] as i32 - bias) * a[v] as i32).sum()
+        };
+        let blk = r * x.nbp + g * 8;
         match w.scales {
             ScaleKind::F16 => {
-                for l in 0..16 {
-                    let b = gi * 8 + l / 2;
-                    let s = f16::from_bits(w.d16[b]).to_f32() * x.d[xg * 8 + l / 2];
-                    acc[l] = (pc[l] as f32).mul_add(s, acc[l]);
-                    if !w.m16.is_empty() {
-                        acc[l] = f16::from_bits(w.m16[b]).to_f32().mul_add(x.xs[xg * 16 + l], acc[l]);
+                for j in 0..8 {
+                    let s = f16::from_bits(cg.d16[j]).to_f32() * x.d[blk + j];
+                    *acc = (dot(j * QK, QK) as f32).mul_add(s, *acc);
+                    if w.format.has_min() {
+                        *acc = f16::from_bits(cg.m16[j]).to_f32().mul_add(x.xs[blk + j], *acc);
                     }
                 }
             }
             ScaleKind::K4 => {
-                for l in 0..16 {
-                    let s = w.sc[gi * 8 + l / 2] as f32 * w.gd[gi] * dx;
-                    let wm = w.mn[gi * 8 + l / 2] as f32 * -w.gmin[gi];
-                    acc[l] = (pc[l] as f32).mul_add(s, acc[l]);
-                    acc[l] = wm.mul_add(x.xs[xg * 16 + l], acc[l]);
-                }
+                let i: i32 = (0..8).map(|j| cg.sc[j] as i32 * dot(j * QK, QK)).sum();
+                let m: i32 = (0..8).map(|j| cg.mn[j] as i32 * x.bsum[blk + j]).sum();
+                let dx = x.d[blk];
+                *acc = (i as f32).mul_add(cg.d * dx, *acc);
+                *acc = (m as f32).mul_add(cg.nd * dx, *acc);
             }
             ScaleKind::K6 => {
-                for l in 0..16 {
-                    let s = w.sc[gi * 16 + l] as i8 as f32 * w.gd[gi] * dx;
-                    acc[l] = (pc[l] as f32).mul_add(s, acc[l]);
-                }
+                let i: i32 = (0..16).map(|l| cg.sc[l] as i8 as i32 * dot(l * 16, 16)).sum();
+                *acc = (i as f32).mul_add(cg.d * x.d[blk], *acc);
             }
         }
     }
-    reduce16(&acc)
 }

@@ -3,8 +3,7 @@
 
 #![allow(unsafe_op_in_unsafe_fn)]
 
-use crate::format::QuantFormat;
-use crate::packed::{PackedMatrix, ScaleKind};
+use crate::packed::ScaleKind;
 use std::arch::x86_64::*;
 
 /// How a format stores its integers.
@@ -19,7 +18,6 @@ pub enum Ints {
 }
 
 pub trait Fmt {
-    const FORMAT: QuantFormat;
     const INTS: Ints = Ints::Four;
     const SCALES: ScaleKind = ScaleKind::F16;
     /// Has a per-block offset `m` (the "_1" formats).
@@ -35,34 +33,27 @@ pub struct Q80;
 pub struct Q4K;
 pub struct Q6K;
 impl Fmt for Q40 {
-    const FORMAT: QuantFormat = QuantFormat::Q4_0;
     const BIAS_SHIFT: u32 = 3;
 }
 impl Fmt for Q41 {
-    const FORMAT: QuantFormat = QuantFormat::Q4_1;
     const MIN: bool = true;
 }
 impl Fmt for Q50 {
-    const FORMAT: QuantFormat = QuantFormat::Q5_0;
     const INTS: Ints = Ints::Five;
     const BIAS_SHIFT: u32 = 4;
 }
 impl Fmt for Q51 {
-    const FORMAT: QuantFormat = QuantFormat::Q5_1;
     const INTS: Ints = Ints::Five;
     const MIN: bool = true;
 }
 impl Fmt for Q80 {
-    const FORMAT: QuantFormat = QuantFormat::Q8_0;
     const INTS: Ints = Ints::Byte;
     const BIAS_SHIFT: u32 = 7;
 }
 impl Fmt for Q4K {
-    const FORMAT: QuantFormat = QuantFormat::Q4K;
     const SCALES: ScaleKind = ScaleKind::K4;
 }
 impl Fmt for Q6K {
-    const FORMAT: QuantFormat = QuantFormat::Q6K;
     const INTS: Ints = Ints::Six;
     const SCALES: ScaleKind = ScaleKind::K6;
     const BIAS_SHIFT: u32 = 5;
@@ -86,34 +77,21 @@ macro_rules! by_format {
 }
 pub(crate) use by_format;
 
-/// How far ahead `prefetch_group` reaches, in bytes of `qs`. A static rather than a constant so
-/// that the `stream` example can compare distances in one process.
-pub static PREFETCH: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(2048);
+/// How far ahead `prefetch_record` reaches, in bytes. A static rather than a constant so that
+/// the `stream` example can compare distances in one process.
+pub static PREFETCH: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(8192);
 
-/// Asks for the weights a fixed distance ahead of group `gi` (global group index): each thread
-/// streams its rows from memory once per token, and with the kernel's arithmetic between loads
-/// the hardware prefetcher alone keeps too few lines in flight.
+/// Asks for part `part` of `parts` of the record a fixed distance ahead of the one at `rec`
+/// (`size` bytes): a tile's records are one contiguous stream, read from memory once per token,
+/// and with the kernel's arithmetic between loads the hardware prefetcher alone keeps too few
+/// lines in flight. Spread over the record's blocks rather than issued at once: a burst of 40
+/// prefetches fills the miss buffers and stalls the arithmetic behind it.
 #[inline(always)]
-pub unsafe fn prefetch_group<F: Fmt>(w: &PackedMatrix, gi: usize) {
-    let (qs_bytes, qh_bytes) = PackedMatrix::group_bytes(F::FORMAT);
+pub unsafe fn prefetch_part(rec: *const u8, size: usize, part: usize, parts: usize) {
     let d = PREFETCH.load(std::sync::atomic::Ordering::Relaxed);
-    let p = w.qs.as_ptr().wrapping_add(gi * qs_bytes + d);
-    for l in (0..qs_bytes).step_by(64) {
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(l) as *const i8);
+    let lines = size / 64;
+    let p = rec.wrapping_add(d);
+    for l in lines * part / parts..lines * (part + 1) / parts {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * l) as *const i8);
     }
-    if qh_bytes > 0 {
-        _mm_prefetch::<_MM_HINT_T0>(
-            w.qh.as_ptr().wrapping_add(gi * qh_bytes + d * qh_bytes / qs_bytes) as *const i8
-        );
-    }
-}
-
-/// Lanes 0..8 of [`crate::scalar::reduce16`] after its first step: `(l, l + 4)`, then
-/// `(l, l + 2)`, then `(0, 1)`.
-#[inline(always)]
-pub unsafe fn reduce8(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
 }
