@@ -54,6 +54,14 @@ pub struct Record {
 }
 
 impl Record {
+    pub const fn scales(format: QuantFormat) -> ScaleKind {
+        match format {
+            QuantFormat::Q4K => ScaleKind::K4,
+            QuantFormat::Q6K => ScaleKind::K6,
+            _ => ScaleKind::F16,
+        }
+    }
+
     pub const fn of(format: QuantFormat) -> Self {
         let qs = if matches!(format, QuantFormat::Q8_0) { 64 * 64 } else { 32 * 64 };
         match format {
@@ -203,11 +211,7 @@ impl PackedMatrix {
         assert_eq!(k % QK, 0);
         let nb = k / QK;
         let nbp = nb.div_ceil(8) * 8;
-        let scales = match format {
-            QuantFormat::Q4K => ScaleKind::K4,
-            QuantFormat::Q6K => ScaleKind::K6,
-            _ => ScaleKind::F16,
-        };
+        let scales = Record::scales(format);
         let tiles = n.div_ceil(NT);
         let rec = Record::of(format);
         let buf = WeightBuf::zeroed(tiles * (nbp / 8) * rec.size);
@@ -237,46 +241,7 @@ impl PackedMatrix {
         let (t, c) = (col / NT, col % NT);
         let (rec, f) = (self.rec, self.format);
         let off = (t * self.groups() + g) * rec.size;
-        let r = &mut self.buf[off..off + rec.size];
-        for (v, &u) in cg.u.iter().enumerate() {
-            let (ch, i) = (v / 4, v % 4);
-            let byte = 4 * c + i;
-            match f {
-                QuantFormat::Q8_0 => r[ch * 64 + byte] = u,
-                _ => r[(ch / 2) * 64 + byte] |= (u & 0x0F) << (4 * (ch % 2)),
-            }
-            match f {
-                QuantFormat::Q5_0 | QuantFormat::Q5_1 => {
-                    r[rec.qh + ch * 8 + byte / 8] |= ((u >> 4) & 1) << (byte % 8)
-                }
-                QuantFormat::Q6K => r[rec.qh + (v / 16) * 64 + byte] |= ((u >> 4) & 3) << (2 * (ch % 4)),
-                _ => {}
-            }
-        }
-        match self.scales {
-            ScaleKind::F16 => {
-                for j in 0..8 {
-                    r[rec.d + 32 * j + 2 * c..][..2].copy_from_slice(&cg.d16[j].to_le_bytes());
-                    if f.has_min() {
-                        r[rec.m + 32 * j + 2 * c..][..2].copy_from_slice(&cg.m16[j].to_le_bytes());
-                    }
-                }
-            }
-            ScaleKind::K4 => {
-                r[rec.d + 4 * c..][..4].copy_from_slice(&cg.d.to_le_bytes());
-                r[rec.m + 4 * c..][..4].copy_from_slice(&cg.nd.to_le_bytes());
-                for j in 0..8 {
-                    r[rec.sc + 16 * j + c] = cg.sc[j];
-                    r[rec.mn + 16 * j + c] = cg.mn[j];
-                }
-            }
-            ScaleKind::K6 => {
-                r[rec.d + 4 * c..][..4].copy_from_slice(&cg.d.to_le_bytes());
-                for l in 0..16 {
-                    r[rec.sc + 16 * l + c] = cg.sc[l];
-                }
-            }
-        }
+        put_record(f, rec, &mut self.buf[off..off + rec.size], c, cg);
     }
 
     /// Reads column `col`'s part of group `g`.
@@ -341,41 +306,45 @@ impl PackedMatrix {
         p
     }
 
-    /// Repacks `n` rows of `k` values of GGUF data.
+    /// Repacks `n` rows of `k` values of GGUF data, a tile per task (tiles are disjoint runs of
+    /// the buffer).
     pub fn from_gguf(format: QuantFormat, data: &[u8], n: usize, k: usize) -> Self {
+        use rayon::prelude::*;
         let mut p = Self::empty(format, n, k);
-        let (nb, nbp) = (p.nb, p.nbp);
-        let mut cg = ColumnGroup::default();
-        match format {
-            QuantFormat::Q4K | QuantFormat::Q6K => {
-                assert_eq!(k % 256, 0, "K-quant rows are whole 256-value super-blocks");
-                let sbb = format.block_bytes();
-                assert_eq!(data.len(), n * k / 256 * sbb, "weight bytes do not match n × k");
-                // nbp == nb for K-quants: super-block s of a row is group s.
-                let groups = k / 256;
-                for (i, sb) in data.chunks_exact(sbb).enumerate() {
-                    if format == QuantFormat::Q4K {
-                        unpack_q4k(sb, &mut cg);
+        let (nb, groups, rec) = (p.nb, p.groups(), p.rec);
+        let k_quant = matches!(format, QuantFormat::Q4K | QuantFormat::Q6K);
+        // Bytes of one GGUF row.
+        let row_bytes = if k_quant {
+            assert_eq!(k % 256, 0, "K-quant rows are whole 256-value super-blocks");
+            k / 256 * format.block_bytes()
+        } else {
+            nb * format.block_bytes()
+        };
+        assert_eq!(data.len(), n * row_bytes, "weight bytes do not match n × k");
+        let bias = p.bias();
+        let tile = |(t, tb): (usize, &mut [u8])| {
+            let mut cg = ColumnGroup::default();
+            let mut q = [0i32; QK];
+            for c in 0..NT.min(n - t * NT) {
+                let row = &data[(t * NT + c) * row_bytes..][..row_bytes];
+                for g in 0..groups {
+                    if k_quant {
+                        // nbp == nb for K-quants: super-block g of a row is group g.
+                        let sb = &row[g * format.block_bytes()..][..format.block_bytes()];
+                        if format == QuantFormat::Q4K {
+                            unpack_q4k(sb, &mut cg);
+                        } else {
+                            unpack_q6k(sb, &mut cg);
+                        }
                     } else {
-                        unpack_q6k(sb, &mut cg);
-                    }
-                    p.put(i / groups, i % groups, &cg);
-                }
-            }
-            _ => {
-                let bb = format.block_bytes();
-                assert_eq!(data.len(), n * nb * bb, "weight bytes do not match n × k");
-                let bias = p.bias();
-                let mut q = [0i32; QK];
-                for row in 0..n {
-                    for g in 0..nbp / 8 {
+                        let bb = format.block_bytes();
                         cg = ColumnGroup::default();
                         for j in 0..8 {
                             let b = g * 8 + j;
                             if b >= nb {
                                 break; // padding: zero scales, zero integers
                             }
-                            let blk = &data[(row * nb + b) * bb..][..bb];
+                            let blk = &row[b * bb..][..bb];
                             cg.d16[j] = f16_bits(blk, 0);
                             if format.has_min() {
                                 cg.m16[j] = f16_bits(blk, 2);
@@ -385,10 +354,16 @@ impl PackedMatrix {
                                 *x = (qi + bias) as u8;
                             }
                         }
-                        p.put(row, g, &cg);
                     }
+                    put_record(format, rec, &mut tb[g * rec.size..(g + 1) * rec.size], c, &cg);
                 }
             }
+        };
+        let tile_bytes = groups * rec.size;
+        if n * k >= 1 << 20 {
+            p.buf.par_chunks_mut(tile_bytes).enumerate().for_each(tile);
+        } else {
+            p.buf.chunks_mut(tile_bytes).enumerate().for_each(tile);
         }
         p
     }
@@ -409,6 +384,60 @@ impl PackedMatrix {
                     ScaleKind::K4 => (cg.d * cg.sc[j] as f32) * q as f32 + cg.nd * cg.mn[j] as f32,
                     ScaleKind::K6 => (cg.d * cg.sc[v / 16] as i8 as f32) * q as f32,
                 };
+            }
+        }
+    }
+}
+
+/// Writes one column's part of a group into its record `r` (column `c` of the tile). The
+/// record starts zeroed: the integers are OR-ed in.
+fn put_record(f: QuantFormat, rec: Record, r: &mut [u8], c: usize, cg: &ColumnGroup) {
+    for ch in 0..GROUP / 4 {
+        let u = &cg.u[4 * ch..4 * ch + 4];
+        let byte = 4 * c;
+        if f == QuantFormat::Q8_0 {
+            r[ch * 64 + byte..][..4].copy_from_slice(u);
+            continue;
+        }
+        let (v, shift) = ((ch / 2) * 64 + byte, 4 * (ch % 2));
+        for i in 0..4 {
+            r[v + i] |= (u[i] & 0x0F) << shift;
+        }
+        match f {
+            QuantFormat::Q5_0 | QuantFormat::Q5_1 => {
+                let bits = (0..4).fold(0u8, |b, i| b | (((u[i] >> 4) & 1) << i));
+                r[rec.qh + ch * 8 + byte / 8] |= bits << (byte % 8);
+            }
+            QuantFormat::Q6K => {
+                let o = rec.qh + (ch / 4) * 64 + byte;
+                for i in 0..4 {
+                    r[o + i] |= ((u[i] >> 4) & 3) << (2 * (ch % 4));
+                }
+            }
+            _ => {}
+        }
+    }
+    match Record::scales(f) {
+        ScaleKind::F16 => {
+            for j in 0..8 {
+                r[rec.d + 32 * j + 2 * c..][..2].copy_from_slice(&cg.d16[j].to_le_bytes());
+                if f.has_min() {
+                    r[rec.m + 32 * j + 2 * c..][..2].copy_from_slice(&cg.m16[j].to_le_bytes());
+                }
+            }
+        }
+        ScaleKind::K4 => {
+            r[rec.d + 4 * c..][..4].copy_from_slice(&cg.d.to_le_bytes());
+            r[rec.m + 4 * c..][..4].copy_from_slice(&cg.nd.to_le_bytes());
+            for j in 0..8 {
+                r[rec.sc + 16 * j + c] = cg.sc[j];
+                r[rec.mn + 16 * j + c] = cg.mn[j];
+            }
+        }
+        ScaleKind::K6 => {
+            r[rec.d + 4 * c..][..4].copy_from_slice(&cg.d.to_le_bytes());
+            for l in 0..16 {
+                r[rec.sc + 16 * l + c] = cg.sc[l];
             }
         }
     }
