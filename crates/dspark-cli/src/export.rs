@@ -14,7 +14,9 @@ pub struct ExportArgs {
     /// The drafter checkpoint folder.
     drafter: PathBuf,
     /// deepspec (DSpark, DFlash with DeepSpec's block, EAGLE-3), zlab (DFlash with the
-    /// [anchor, MASK × γ] block) or eagle3 (SafeAILab / vLLM).
+    /// [anchor, MASK × γ] block), eagle3 (SafeAILab / vLLM), or dspark-q8: ours with every large
+    /// matrix in 8 bits (one f32 scale per 32 values; a quarter of the f32 size, what the
+    /// drafter computes with anyway), for shipping.
     #[arg(long)]
     format: String,
     /// Output folder (config.json + model.safetensors).
@@ -27,10 +29,20 @@ pub struct ExportArgs {
 }
 
 pub fn run(a: ExportArgs) -> Result<()> {
-    let format: PublicFormat = a.format.parse()?;
     if a.out.join("config.json").exists() {
         bail!("{} already holds a checkpoint; choose an empty --out folder", a.out.display());
     }
+    if a.format == "dspark-q8" {
+        let bytes = dspark_drafter_models::compact(&a.drafter, &a.out)?;
+        eprintln!(
+            "wrote {} with 8-bit matrices to {} ({:.1} MB of weights)",
+            a.drafter.display(),
+            a.out.display(),
+            bytes as f64 / 1e6
+        );
+        return Ok(());
+    }
+    let format: PublicFormat = a.format.parse()?;
     let recorded = dspark_drafter_models::read_config(&a.drafter)?.ext().target.map(|t| t.name);
     let target_arg = match a.target.or(recorded) {
         Some(t) => crate::ModelArg { model: t },

@@ -49,7 +49,7 @@ impl std::str::FromStr for PublicFormat {
             "zlab" => Ok(Self::Zlab),
             "eagle3" => Ok(Self::Eagle3),
             other => Err(NetworkError::Config(format!(
-                "unknown checkpoint format `{other}`; use deepspec, zlab or eagle3"
+                "unknown checkpoint format `{other}`; use deepspec, zlab, eagle3 or dspark-q8"
             ))),
         }
     }

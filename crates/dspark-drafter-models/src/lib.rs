@@ -118,6 +118,37 @@ pub(crate) fn write_checkpoint(dir: &Path, config: &str, tensors: &BTreeMap<Stri
     Ok(())
 }
 
+/// Writes checkpoint folder `src` (ours) to `dst` with its large matrices in 8 bits
+/// ([`Store::save_q8`]: what ships in the repository, under its size limit); every other file
+/// of the folder (config, calibration, training log, plots) is copied as it is. Returns the
+/// bytes of the new weights.
+pub fn compact(src: &Path, dst: &Path) -> Result<u64> {
+    let io = |p: &Path, e: std::io::Error| NetworkError::Checkpoint(format!("{}: {e}", p.display()));
+    let config = read_config(src)?;
+    if config.dspark.is_none() {
+        return Err(NetworkError::Config(format!(
+            "{} is in a public layout; compact a checkpoint of ours (what `dspark train` writes)",
+            src.display()
+        )));
+    }
+    let store = Store::load_dir(src)?;
+    std::fs::create_dir_all(dst).map_err(|e| io(dst, e))?;
+    let weights = ["model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"];
+    for entry in std::fs::read_dir(src).map_err(|e| io(src, e))? {
+        let entry = entry.map_err(|e| io(src, e))?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        let shard = name.starts_with("model-") && name.ends_with(".safetensors");
+        if entry.path().is_file() && !weights.contains(&name.as_ref()) && !shard {
+            std::fs::copy(entry.path(), dst.join(&*name)).map_err(|e| io(&entry.path(), e))?;
+        }
+    }
+    let tmp = dst.join("model.safetensors.partial");
+    let bytes = Store::save_q8(store.map(), &tmp)?;
+    std::fs::rename(&tmp, dst.join("model.safetensors")).map_err(|e| io(dst, e))?;
+    Ok(bytes)
+}
+
 /// Reads a checkpoint folder's config: ours, or a public one translated by [`formats`].
 pub fn read_config(dir: &Path) -> Result<DrafterConfig> {
     let path = dir.join("config.json");

@@ -27,6 +27,17 @@ impl Store {
         let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
         let mut map = BTreeMap::new();
         for (name, view) in st.tensors() {
+            if name.ends_with(Q8_SCALE) {
+                continue; // read with its matrix
+            }
+            if view.dtype() == S::I8 {
+                let scales = st.tensor(&format!("{name}{Q8_SCALE}")).map_err(|_| {
+                    bad(format!("8-bit tensor `{name}` has no `{name}{Q8_SCALE}` block scales"))
+                })?;
+                let t = dequantize_q8(&name, &view, &scales).map_err(bad)?;
+                map.insert(name, t);
+                continue;
+            }
             let dtype = match view.dtype() {
                 S::F32 => DType::F32,
                 S::F16 => DType::F16,
@@ -199,12 +210,112 @@ impl Store {
         &self.map
     }
 
+    /// Writes `map` with every large matrix (at least 64 Ki values, rows a multiple of 32) as
+    /// 8-bit integers and one f32 scale per 32 values (`NAME` as I8, `NAME.q8_scale` as F32) —
+    /// the precision the drafter's matmuls run at anyway (weights are quantized to 8 bits at
+    /// load) — and the rest (norms, biases, small heads, the vocabulary map) as they are.
+    /// [`Store::load`] reads it back as f32. Returns the bytes written.
+    pub fn save_q8(map: &BTreeMap<String, Tensor>, path: &Path) -> Result<u64> {
+        use safetensors::tensor::TensorView;
+        use safetensors::Dtype as S;
+        let err = |e: String| NetworkError::Checkpoint(format!("cannot write {}: {e}", path.display()));
+        let mut owned: Vec<(String, S, Vec<usize>, Vec<u8>)> = Vec::new();
+        for (name, t) in map {
+            let dims = t.dims().to_vec();
+            let big = dims.len() == 2 && dims[1] % 32 == 0 && t.elem_count() >= 1 << 16;
+            if big && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+                let v: Vec<f32> = t
+                    .to_dtype(DType::F32)
+                    .and_then(|t| t.flatten_all())
+                    .and_then(|t| t.to_vec1())
+                    .map_err(|e| err(e.to_string()))?;
+                let (q, d) = quantize_q8(&v);
+                owned.push((name.clone(), S::I8, dims.clone(), q.into_iter().map(|x| x as u8).collect()));
+                let db = d.iter().flat_map(|x| x.to_le_bytes()).collect();
+                owned.push((format!("{name}{Q8_SCALE}"), S::F32, vec![dims[0], dims[1] / 32], db));
+                continue;
+            }
+            let (dtype, bytes) = match t.dtype() {
+                DType::F32 => (
+                    S::F32,
+                    t.flatten_all()
+                        .and_then(|t| t.to_vec1::<f32>())
+                        .map(|v| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>()),
+                ),
+                DType::I64 => (
+                    S::I64,
+                    t.flatten_all()
+                        .and_then(|t| t.to_vec1::<i64>())
+                        .map(|v| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>()),
+                ),
+                DType::U8 => (S::U8, t.flatten_all().and_then(|t| t.to_vec1::<u8>())),
+                _ => (
+                    S::F32,
+                    t.to_dtype(DType::F32)
+                        .and_then(|t| t.flatten_all())
+                        .and_then(|t| t.to_vec1::<f32>())
+                        .map(|v| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>()),
+                ),
+            };
+            owned.push((name.clone(), dtype, dims, bytes.map_err(|e| err(e.to_string()))?));
+        }
+        let views: Vec<(String, TensorView)> = owned
+            .iter()
+            .map(|(n, d, s, b)| TensorView::new(*d, s.clone(), b).map(|v| (n.clone(), v)))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| err(e.to_string()))?;
+        safetensors::serialize_to_file(views, None, path).map_err(|e| err(e.to_string()))?;
+        std::fs::metadata(path).map(|m| m.len()).map_err(|e| err(e.to_string()))
+    }
+
     pub fn save(map: &BTreeMap<String, Tensor>, path: &Path) -> Result<()> {
         let map: std::collections::HashMap<&String, Tensor> =
             map.iter().map(|(k, v)| (k, v.clone())).collect();
         candle_core::safetensors::save(&map, path)
             .map_err(|e| NetworkError::Checkpoint(format!("cannot write {}: {e}", path.display())))
     }
+}
+
+/// The suffix of an 8-bit matrix's block scales (see [`Store::save_q8`]).
+pub const Q8_SCALE: &str = ".q8_scale";
+
+/// Blocks of 32 values as `round(x / d)` with `d = max|x| / 127` (Q8_0's rule, f32 scales).
+fn quantize_q8(v: &[f32]) -> (Vec<i8>, Vec<f32>) {
+    let mut q = Vec::with_capacity(v.len());
+    let mut d = Vec::with_capacity(v.len() / 32);
+    for b in v.chunks_exact(32) {
+        let s = b.iter().fold(0f32, |m, x| m.max(x.abs())) / 127.0;
+        let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+        q.extend(b.iter().map(|x| (x * inv).round().clamp(-127.0, 127.0) as i8));
+        d.push(s);
+    }
+    (q, d)
+}
+
+fn dequantize_q8(
+    name: &str,
+    q: &safetensors::tensor::TensorView,
+    d: &safetensors::tensor::TensorView,
+) -> std::result::Result<Tensor, String> {
+    let shape = q.shape().to_vec();
+    let blocks = q.data().len() / 32;
+    if shape.len() != 2
+        || shape[1] % 32 != 0
+        || d.dtype() != safetensors::Dtype::F32
+        || d.data().len() != blocks * 4
+    {
+        return Err(format!(
+            "8-bit tensor `{name}` {shape:?} does not match its scales {:?} {:?} (one f32 per 32 values)",
+            d.dtype(),
+            d.shape()
+        ));
+    }
+    let mut out = Vec::with_capacity(q.data().len());
+    for (b, s) in q.data().chunks_exact(32).zip(d.data().chunks_exact(4)) {
+        let s = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+        out.extend(b.iter().map(|&x| x as i8 as f32 * s));
+    }
+    Tensor::from_vec(out, shape, &Device::Cpu).map_err(|e| format!("tensor `{name}`: {e}"))
 }
 
 /// What each tensor of a fresh drafter starts as.
@@ -243,5 +354,49 @@ impl Initializer {
 
     pub fn insert(&mut self, name: &str, t: Tensor) {
         self.map.insert(name.to_string(), t);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn eight_bit_checkpoints_read_back_within_half_a_step_and_small_tensors_exactly() {
+        let dir = tempfile::tempdir().unwrap();
+        let (rows, cols) = (300, 256);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let w: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-0.3f32..0.3)).collect();
+        let mut map = BTreeMap::new();
+        map.insert("w".to_string(), Tensor::from_vec(w.clone(), (rows, cols), &Device::Cpu).unwrap());
+        map.insert("bias".to_string(), Tensor::new(&[0.1f32, -2.5, 3.25], &Device::Cpu).unwrap());
+        map.insert("d2t".to_string(), Tensor::new(&[5i64, -1, 9], &Device::Cpu).unwrap());
+        let (q8, f32p) = (dir.path().join("q8.safetensors"), dir.path().join("f32.safetensors"));
+        let bytes = Store::save_q8(&map, &q8).unwrap();
+        Store::save(&map, &f32p).unwrap();
+        assert!(bytes * 3 < std::fs::metadata(&f32p).unwrap().len(), "8-bit file is not smaller");
+        let back = Store::load(&q8).unwrap();
+        assert_eq!(back.map().len(), 3, "the scales are not tensors of the drafter");
+        let got: Vec<f32> = back.map()["w"].flatten_all().unwrap().to_vec1().unwrap();
+        for (b, (g, x)) in got.chunks(32).zip(w.chunks(32)).enumerate() {
+            let half_step = x.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0 / 2.0;
+            for (g, x) in g.iter().zip(x) {
+                assert!((g - x).abs() <= half_step * 1.001, "block {b}: {g} vs {x}");
+            }
+        }
+        assert_eq!(back.map()["bias"].to_vec1::<f32>().unwrap(), vec![0.1, -2.5, 3.25]);
+        assert_eq!(back.map()["d2t"].to_vec1::<i64>().unwrap(), vec![5, -1, 9]);
+    }
+
+    #[test]
+    fn an_eight_bit_matrix_without_its_scales_is_refused_by_name() {
+        use safetensors::tensor::TensorView;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("bad.safetensors");
+        let data = vec![1u8; 64];
+        let v = TensorView::new(safetensors::Dtype::I8, vec![2, 32], &data).unwrap();
+        safetensors::serialize_to_file(vec![("fc.weight".to_string(), v)], None, &p).unwrap();
+        let e = Store::load(&p).err().expect("refused").to_string();
+        assert!(e.contains("fc.weight") && e.contains(Q8_SCALE), "{e}");
     }
 }
