@@ -49,19 +49,31 @@ pub struct DrafterArgs {
     #[arg(long)]
     pub draft_len: Option<usize>,
     /// Verify only the drafts whose predicted prefix survival (product of a DSpark drafter's
-    /// calibrated confidences) is at least this; 0 verifies all γ. Output unchanged either way.
-    #[arg(long, default_value_t = 0.0)]
-    pub min_survival: f32,
+    /// calibrated confidences) is at least this; 0 verifies all γ. Default: 0.3 for drafters
+    /// with a confidence head (DSpark, and `auto` with a shipped DSpark drafter; a weak
+    /// drafter's unlikely drafts then cost no verification), 0 for the others. Output unchanged
+    /// either way.
+    #[arg(long)]
+    pub min_survival: Option<f32>,
 }
 
+/// The survival threshold drafters with a confidence head are verified with unless told
+/// otherwise (the `threshold` policy's default).
+pub const DEFAULT_MIN_SURVIVAL: f32 = 0.3;
+
 impl DrafterArgs {
+    /// `--min-survival`, or its default for `drafter`.
+    pub fn min_survival_for(&self, drafter: &dyn Drafter) -> f32 {
+        self.min_survival.unwrap_or(if drafter.has_confidence() { DEFAULT_MIN_SURVIVAL } else { 0.0 })
+    }
+
     /// The drafter and γ; `None` for plain decoding.
     pub fn build(&self, target: &Arc<Model>, target_name: &str) -> Result<Option<(Box<dyn Drafter>, usize)>> {
         if self.draft_len == Some(0) {
             bail!("--draft-len must be at least 1; use --drafter none for plain decoding");
         }
-        if !(0.0..=1.0).contains(&self.min_survival) {
-            bail!("--min-survival must be between 0 and 1 (got {})", self.min_survival);
+        if let Some(p) = self.min_survival.filter(|p| !(0.0..=1.0).contains(p)) {
+            bail!("--min-survival must be between 0 and 1 (got {p})");
         }
         let gamma = self.draft_len.unwrap_or(3);
         Ok(match self.drafter.parse::<DrafterSpec>()? {

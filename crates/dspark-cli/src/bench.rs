@@ -468,7 +468,7 @@ fn decode(
         sampling,
         seed: 0,
         stop_tokens: params.stop_tokens.clone(),
-        min_survival: spec.min_survival,
+        min_survival: drafter.as_ref().map_or(0.0, |d| spec.min_survival_for(d.0.as_ref())),
     };
     let (mut plain_tokens, mut plain_s) = (0usize, 0f64);
     let mut stats = dspark_spec::SpecStats::default();

@@ -177,7 +177,7 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
                 sampling: params.sampling,
                 seed: params.seed,
                 stop_tokens: params.stop_tokens.clone(),
-                min_survival: a.spec.min_survival,
+                min_survival: a.spec.min_survival_for(d.as_ref()),
             };
             let r = generate_spec(&model, d.as_mut(), &prompt, &sp, &mut emit)?;
             (r.tokens, r.finish, None, Some(r.stats))

@@ -58,7 +58,7 @@ impl ServeDrafter {
                 let args = crate::DrafterArgs {
                     drafter: self.drafter.clone(),
                     draft_len: self.draft_len,
-                    min_survival: 0.0,
+                    min_survival: Some(0.0),
                 };
                 let (d, gamma) = args.build(target, target_name)?.expect("not plain decoding");
                 let name = d.name();
