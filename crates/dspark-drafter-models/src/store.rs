@@ -210,7 +210,7 @@ impl Store {
         &self.map
     }
 
-    /// Writes `map` with every large matrix (at least 64 Ki values, rows a multiple of 32) as
+    /// Writes `map` with every large matrix (at least 4 096 values, rows a multiple of 32) as
     /// 8-bit integers and one f32 scale per 32 values (`NAME` as I8, `NAME.q8_scale` as F32) —
     /// the precision the drafter's matmuls run at anyway (weights are quantized to 8 bits at
     /// load) — and the rest (norms, biases, small heads, the vocabulary map) as they are.
@@ -222,7 +222,7 @@ impl Store {
         let mut owned: Vec<(String, S, Vec<usize>, Vec<u8>)> = Vec::new();
         for (name, t) in map {
             let dims = t.dims().to_vec();
-            let big = dims.len() == 2 && dims[1] % 32 == 0 && t.elem_count() >= 1 << 16;
+            let big = dims.len() == 2 && dims[1] % 32 == 0 && t.elem_count() >= 1 << 12;
             if big && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16) {
                 let v: Vec<f32> = t
                     .to_dtype(DType::F32)

@@ -248,6 +248,34 @@ fn checkpoints_round_trip_and_mismatches_are_refused() {
     assert!(err.contains("is a dspark drafter"), "{err}");
 }
 
+/// `export-drafter --format dspark-q8`: the 8-bit copy loads through the same strict loader and
+/// drafts what the f32 checkpoint drafts, its logits within the 8-bit storage's rounding.
+#[test]
+fn an_eight_bit_copy_drafts_like_its_checkpoint() {
+    let tdir = tempfile::tempdir().unwrap();
+    let t = target(tdir.path(), "llama", 1);
+    let (d, q) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let o = opts(Method::Dspark, HeadKind::Markov, Some((0..60).chain([95]).collect()), BlockLayout::Dspark);
+    dspark_drafter_models::init(t.clone(), "tiny", &o).unwrap().save(d.path()).unwrap();
+    std::fs::write(d.path().join("calibration.txt"), "kept").unwrap();
+    let bytes = dspark_drafter_models::compact(d.path(), q.path()).unwrap();
+    let full = std::fs::metadata(d.path().join("model.safetensors")).unwrap().len();
+    assert!(bytes * 2 < full, "8-bit copy {bytes} B vs {full} B");
+    assert_eq!(std::fs::read_to_string(q.path().join("calibration.txt")).unwrap(), "kept");
+    let a = block(dspark_drafter_models::load(d.path(), t.clone(), "tiny").unwrap());
+    let b = block(dspark_drafter_models::load(q.path(), t.clone(), "tiny").unwrap());
+    let taps = features(5, 2, 3);
+    let ((la, ta), (lb, tb)) = (rust_greedy(&a, &taps, 5, 9), rust_greedy(&b, &taps, 5, 9));
+    let scale = la.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let worst = la.iter().zip(&lb).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert!(worst < 0.02 * scale, "logits moved by {worst} (largest {scale})");
+    assert!(la != lb, "nothing was stored in 8 bits");
+    assert_eq!(ta.tokens, tb.tokens);
+    // Only checkpoints of ours: a public layout keeps its own precision.
+    let e = dspark_drafter_models::compact(tdir.path(), q.path()).err().unwrap().to_string();
+    assert!(e.contains("config.json"), "{e}");
+}
+
 #[test]
 fn batched_drafting_equals_drafting_each_alone() {
     let tdir = tempfile::tempdir().unwrap();
