@@ -189,11 +189,11 @@ unsafe fn tile<F: Fmt, const R: usize>(
                     }
                 }
                 let mut m = [z; R];
-                for j in 0..8 {
-                    let mn = bytes(w.rec.mn + 16 * j);
+                for i in 0..4 {
+                    let mn = _mm256_loadu_si256(rec.add(w.rec.mn + 64 * i + 32 * h) as *const _);
                     for r in 0..R {
-                        let s = _mm256_set1_epi32(*x.bsum.get_unchecked(blk(r) + j));
-                        m[r] = _mm256_add_epi32(m[r], _mm256_mullo_epi32(mn, s));
+                        let s = _mm256_set1_epi32(*x.bpair.get_unchecked(blk(r) / 2 + i));
+                        m[r] = _mm256_add_epi32(m[r], _mm256_madd_epi16(mn, s));
                     }
                 }
                 let d = _mm256_loadu_ps(rec.add(w.rec.d + 32 * h) as *const f32);

@@ -186,11 +186,11 @@ unsafe fn tile<F: Fmt, const R: usize>(
                     }
                 }
                 let mut m = [z; R];
-                for j in 0..8 {
-                    let mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(rec.add(w.rec.mn + 16 * j) as *const _));
+                for i in 0..4 {
+                    let mn = _mm512_loadu_si512(rec.add(w.rec.mn + 64 * i) as *const _);
                     for r in 0..R {
-                        let s = _mm512_set1_epi32(*x.bsum.get_unchecked(blk(r) + j));
-                        m[r] = _mm512_add_epi32(m[r], _mm512_mullo_epi32(mn, s));
+                        let s = _mm512_set1_epi32(*x.bpair.get_unchecked(blk(r) / 2 + i));
+                        m[r] = _mm512_dpwssd_epi32(m[r], mn, s);
                     }
                 }
                 let d = _mm512_loadu_ps(rec.add(w.rec.d) as *const f32);

@@ -145,6 +145,9 @@ pub struct Q8Rows {
     pub hsum: Vec<i32>,
     /// Per block: `d · bsum` (the offset term of the "_1" formats).
     pub xs: Vec<f32>,
+    /// Per pair of blocks (`rows × nbp / 2`): their two sums as i16, low half first (a block's
+    /// sum is at most 32 · 127), Q4_K's offset term's partner in `vpdpwssd`.
+    pub bpair: Vec<i32>,
 }
 
 impl Q8Rows {
@@ -176,7 +179,8 @@ impl Q8Rows {
                 .zip(bsum.chunks_mut(nbp).zip(hsum.chunks_mut(2 * nbp)).zip(xs.chunks_mut(nbp)))
                 .for_each(row);
         }
-        Self { rows, k, nbp, qs, d, bsum, hsum, xs }
+        let bpair = bsum.chunks_exact(2).map(|p| (p[0] & 0xFFFF) | (p[1] << 16)).collect();
+        Self { rows, k, nbp, qs, d, bsum, hsum, xs, bpair }
     }
 }
 

@@ -16,7 +16,8 @@
 //!   vector per 16 values (half-block `l`, chunks `4l..4l + 4`: bits `2m..2m + 2` of byte
 //!   `4c + i` belong to chunk `4l + m`);
 //! - scales, column-minor (16 columns side by side): legacy formats `d` (and `m`) as f16 per
-//!   block; Q4_K `d` and `−dmin` as f32, then the 6-bit scales and mins per block as bytes;
+//!   block; Q4_K `d` and `−dmin` as f32, the 6-bit scales per block as bytes, and the mins of
+//!   each pair of blocks as a pair of i16 per column;
 //!   Q6_K `d` as f32, then the i8 scale of each half-block.
 
 use crate::format::{decode_block, QuantFormat, QK};
@@ -48,7 +49,8 @@ pub struct Record {
     pub m: usize,
     /// K4: 8 blocks × 16 bytes. K6: 16 half-blocks × 16 bytes (i8).
     pub sc: usize,
-    /// K4: 8 blocks × 16 bytes.
+    /// K4: the mins of blocks 2i and 2i + 1 as a pair of i16 per column (4 vectors of 16 × 4
+    /// bytes), for one `vpdpwssd` per pair of blocks.
     pub mn: usize,
     pub size: usize,
 }
@@ -66,7 +68,7 @@ impl Record {
         let qs = if matches!(format, QuantFormat::Q8_0) { 64 * 64 } else { 32 * 64 };
         match format {
             QuantFormat::Q4K => {
-                Self { qh: qs, d: qs, m: qs + 64, sc: qs + 128, mn: qs + 256, size: qs + 384 }
+                Self { qh: qs, d: qs, m: qs + 64, sc: qs + 128, mn: qs + 256, size: qs + 512 }
             }
             QuantFormat::Q6K => {
                 let qh = qs + 16 * 64;
@@ -281,7 +283,7 @@ impl PackedMatrix {
                 cg.nd = f32_at(rec.m + 4 * c);
                 for j in 0..8 {
                     cg.sc[j] = r[rec.sc + 16 * j + c];
-                    cg.mn[j] = r[rec.mn + 16 * j + c];
+                    cg.mn[j] = r[rec.mn + 64 * (j / 2) + 4 * c + 2 * (j % 2)];
                 }
             }
             ScaleKind::K6 => {
@@ -431,7 +433,7 @@ fn put_record(f: QuantFormat, rec: Record, r: &mut [u8], c: usize, cg: &ColumnGr
             r[rec.m + 4 * c..][..4].copy_from_slice(&cg.nd.to_le_bytes());
             for j in 0..8 {
                 r[rec.sc + 16 * j + c] = cg.sc[j];
-                r[rec.mn + 16 * j + c] = cg.mn[j];
+                r[rec.mn + 64 * (j / 2) + 4 * c + 2 * (j % 2)] = cg.mn[j];
             }
         }
         ScaleKind::K6 => {
