@@ -55,19 +55,6 @@ pub struct TrainArgs {
     n: Option<usize>,
 }
 
-/// A training step allocates and frees the same large tensors every time; by default glibc
-/// hands blocks over 128 KiB back to the kernel at once, and faulting their pages in again cost
-/// ~12 % of a step (measured on SmolLM2, 64 anchors). Keep them in the heap instead.
-fn keep_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes allocator thresholds; called before the tensors exist.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
-        libc::mallopt(libc::M_TOP_PAD, 64 << 20);
-    }
-}
-
 static STOP: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_sigint(_: libc::c_int) {
@@ -78,7 +65,6 @@ pub fn run(a: TrainArgs) -> Result<()> {
     if a.steps == 0 || a.batch == 0 || a.anchors == 0 {
         bail!("--steps, --batch and --anchors must be at least 1");
     }
-    keep_freed_memory();
     let target_arg = ModelArg { model: a.target.clone() };
     let target = Arc::new(target_arg.load()?);
     let name = target_arg.name();
