@@ -24,11 +24,37 @@ const MAX_R: usize = 8;
 /// `w.nbp` blocks per row; `out` has room for `x.rows` rows of stride `ldo` covering the
 /// tiles' columns below `w.n`.
 pub unsafe fn range(w: &PackedMatrix, x: &Q8Rows, t0: usize, t1: usize, out: *mut f32, ldo: usize) {
-    by_format!(w.format, range_f(w, x, t0, t1, out, ldo))
+    by_format!(w.format, range_vnni(w, x, t0, t1, out, ldo))
+}
+
+/// [`range`] with the integer sums from AMX tiles (`tdpbsud`); the rest is this path's.
+///
+/// # Safety
+/// As [`range`], and the CPU must have AMX-TILE and AMX-INT8 with the tile state granted to the
+/// process ([`crate::path::KernelPath::available`] checks both).
+pub unsafe fn range_amx(w: &PackedMatrix, x: &Q8Rows, t0: usize, t1: usize, out: *mut f32, ldo: usize) {
+    by_format!(w.format, range_amx_f(w, x, t0, t1, out, ldo));
+    amx::release();
+}
+
+unsafe fn range_amx_f<F: Fmt>(w: &PackedMatrix, x: &Q8Rows, t0: usize, t1: usize, out: *mut f32, ldo: usize) {
+    range_f::<F, true>(w, x, t0, t1, out, ldo)
+}
+
+unsafe fn range_vnni<F: Fmt>(w: &PackedMatrix, x: &Q8Rows, t0: usize, t1: usize, out: *mut f32, ldo: usize) {
+    range_f::<F, false>(w, x, t0, t1, out, ldo)
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn range_f<F: Fmt>(w: &PackedMatrix, x: &Q8Rows, t0: usize, t1: usize, out: *mut f32, ldo: usize) {
+unsafe fn range_f<F: Fmt, const AMX: bool>(
+    w: &PackedMatrix,
+    x: &Q8Rows,
+    t0: usize,
+    t1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let mut scratch = AmxScratch { b: [0; 8 * 64], c: [0; 16 * 16] };
     // Row passes of equal size: 12 rows are two passes of 6, not 8 + 4.
     let per = x.rows.div_ceil(x.rows.div_ceil(MAX_R));
     let mut r0 = 0;
@@ -36,20 +62,58 @@ unsafe fn range_f<F: Fmt>(w: &PackedMatrix, x: &Q8Rows, t0: usize, t1: usize, ou
         let rt = per.min(x.rows - r0);
         // The first pass streams the weights from memory; later ones find them in L2.
         let first = r0 == 0;
+        if AMX {
+            amx::configure(rt, if F::SCALES == ScaleKind::K6 { 16 } else { 32 });
+        }
         for t in t0..t1 {
+            let a = &mut scratch;
             match rt {
-                8 => tile::<F, 8>(w, t, x, r0, out, ldo, first),
-                7 => tile::<F, 7>(w, t, x, r0, out, ldo, first),
-                6 => tile::<F, 6>(w, t, x, r0, out, ldo, first),
-                5 => tile::<F, 5>(w, t, x, r0, out, ldo, first),
-                4 => tile::<F, 4>(w, t, x, r0, out, ldo, first),
-                3 => tile::<F, 3>(w, t, x, r0, out, ldo, first),
-                2 => tile::<F, 2>(w, t, x, r0, out, ldo, first),
-                _ => tile::<F, 1>(w, t, x, r0, out, ldo, first),
+                8 => tile::<F, 8, AMX>(w, t, x, r0, out, ldo, first, a),
+                7 => tile::<F, 7, AMX>(w, t, x, r0, out, ldo, first, a),
+                6 => tile::<F, 6, AMX>(w, t, x, r0, out, ldo, first, a),
+                5 => tile::<F, 5, AMX>(w, t, x, r0, out, ldo, first, a),
+                4 => tile::<F, 4, AMX>(w, t, x, r0, out, ldo, first, a),
+                3 => tile::<F, 3, AMX>(w, t, x, r0, out, ldo, first, a),
+                2 => tile::<F, 2, AMX>(w, t, x, r0, out, ldo, first, a),
+                _ => tile::<F, 1, AMX>(w, t, x, r0, out, ldo, first, a),
             }
         }
         r0 += rt;
     }
+}
+
+/// Nibble vector `s` of a record as bytes: chunks `2s` (low nibbles) and `2s + 1` (high), with
+/// Q5's fifth and Q6_K's high bits added.
+#[inline(always)]
+unsafe fn unpack<F: Fmt>(w: &PackedMatrix, rec: *const u8, s: usize) -> (__m512i, __m512i) {
+    let m4 = _mm512_set1_epi8(0x0F);
+    let v = _mm512_loadu_si512(rec.add(s * 64) as *const _);
+    let mut lo = _mm512_and_si512(v, m4);
+    let mut hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    match F::INTS {
+        Ints::Five => {
+            let qh = rec.add(w.rec.qh) as *const u64;
+            let b16 = _mm512_set1_epi8(0x10);
+            lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(qh.add(2 * s).read_unaligned()), lo, b16);
+            hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(qh.add(2 * s + 1).read_unaligned()), hi, b16);
+        }
+        Ints::Six => {
+            // Half-block s / 2; this vector's chunks are its m = 2(s % 2) and m + 1: their
+            // bits 2m..2m + 2 go to bits 4..6 (16-bit shifts; the mask drops what crossed
+            // bytes).
+            let hb = _mm512_loadu_si512(rec.add(w.rec.qh + (s / 2) * 64) as *const _);
+            let m30 = _mm512_set1_epi8(0x30);
+            let (b0, b1) = if s % 2 == 0 {
+                (_mm512_slli_epi16(hb, 4), _mm512_slli_epi16(hb, 2))
+            } else {
+                (hb, _mm512_srli_epi16(hb, 2))
+            };
+            lo = _mm512_or_si512(lo, _mm512_and_si512(b0, m30));
+            hi = _mm512_or_si512(hi, _mm512_and_si512(b1, m30));
+        }
+        _ => {}
+    }
+    (lo, hi)
 }
 
 /// Adds the dot products of chunks `ch0..ch0 + n` (4 values each) of a record to `p` (even
@@ -83,34 +147,8 @@ unsafe fn dots<F: Fmt, const R: usize>(
         }
         return;
     }
-    let m4 = _mm512_set1_epi8(0x0F);
     for s in ch0 / 2..(ch0 + n) / 2 {
-        let v = _mm512_loadu_si512(rec.add(s * 64) as *const _);
-        let mut lo = _mm512_and_si512(v, m4);
-        let mut hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-        match F::INTS {
-            Ints::Five => {
-                let qh = rec.add(w.rec.qh) as *const u64;
-                let b16 = _mm512_set1_epi8(0x10);
-                lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(qh.add(2 * s).read_unaligned()), lo, b16);
-                hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(qh.add(2 * s + 1).read_unaligned()), hi, b16);
-            }
-            Ints::Six => {
-                // Half-block s / 2; this vector's chunks are its m = 2(s % 2) and m + 1: their
-                // bits 2m..2m + 2 go to bits 4..6 (16-bit shifts; the mask drops what crossed
-                // bytes).
-                let hb = _mm512_loadu_si512(rec.add(w.rec.qh + (s / 2) * 64) as *const _);
-                let m30 = _mm512_set1_epi8(0x30);
-                let (b0, b1) = if s % 2 == 0 {
-                    (_mm512_slli_epi16(hb, 4), _mm512_slli_epi16(hb, 2))
-                } else {
-                    (hb, _mm512_srli_epi16(hb, 2))
-                };
-                lo = _mm512_or_si512(lo, _mm512_and_si512(b0, m30));
-                hi = _mm512_or_si512(hi, _mm512_and_si512(b1, m30));
-            }
-            _ => {}
-        }
+        let (lo, hi) = unpack::<F>(w, rec, s);
         for r in 0..R {
             p[r] = _mm512_dpbusd_epi32(p[r], lo, bcast(r, 2 * s));
             if split {
@@ -123,7 +161,8 @@ unsafe fn dots<F: Fmt, const R: usize>(
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile<F: Fmt, const R: usize>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile<F: Fmt, const R: usize, const AMX: bool>(
     w: &PackedMatrix,
     t: usize,
     x: &Q8Rows,
@@ -131,6 +170,7 @@ unsafe fn tile<F: Fmt, const R: usize>(
     out: *mut f32,
     ldo: usize,
     prefetch: bool,
+    amx: &mut AmxScratch,
 ) {
     let groups = w.groups();
     let lda = x.nbp * QK;
@@ -148,7 +188,7 @@ unsafe fn tile<F: Fmt, const R: usize>(
                         prefetch_part(rec, w.rec.size, j, 8);
                     }
                     let (mut p, mut q) = ([z; R], [z; R]);
-                    dots::<F, R>(w, rec, 8 * j, 8, a, lda, &mut p, &mut q);
+                    block::<F, R, AMX>(amx, w, rec, 8 * j, 8, a, lda, &mut p, &mut q);
                     let dw = _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(w.rec.d + 32 * j) as *const _));
                     let mw = if F::MIN {
                         _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(w.rec.m + 32 * j) as *const _))
@@ -179,7 +219,7 @@ unsafe fn tile<F: Fmt, const R: usize>(
                         prefetch_part(rec, w.rec.size, j, 8);
                     }
                     let (mut p, mut q) = ([z; R], [z; R]);
-                    dots::<F, R>(w, rec, 8 * j, 8, a, lda, &mut p, &mut q);
+                    block::<F, R, AMX>(amx, w, rec, 8 * j, 8, a, lda, &mut p, &mut q);
                     let sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(rec.add(w.rec.sc + 16 * j) as *const _));
                     for r in 0..R {
                         i[r] = _mm512_add_epi32(i[r], _mm512_mullo_epi32(_mm512_add_epi32(p[r], q[r]), sc));
@@ -208,7 +248,7 @@ unsafe fn tile<F: Fmt, const R: usize>(
                         prefetch_part(rec, w.rec.size, l, 16);
                     }
                     let (mut p, mut q) = ([z; R], [z; R]);
-                    dots::<F, R>(w, rec, 4 * l, 4, a, lda, &mut p, &mut q);
+                    block::<F, R, AMX>(amx, w, rec, 4 * l, 4, a, lda, &mut p, &mut q);
                     let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(rec.add(w.rec.sc + 16 * l) as *const _));
                     for r in 0..R {
                         let h = *x.hsum.get_unchecked(2 * blk(r) + l) << 5;
@@ -232,5 +272,95 @@ unsafe fn tile<F: Fmt, const R: usize>(
         } else {
             _mm512_mask_storeu_ps(o, ((1u32 << valid) - 1) as u16, acc[r]);
         }
+    }
+}
+
+/// Where AMX tiles are staged: a block's weights as bytes (B), and the tile of integer sums (C).
+#[repr(C, align(64))]
+struct AmxScratch {
+    b: [u8; 8 * 64],
+    c: [i32; 16 * 16],
+}
+
+/// The integer sums of chunks `ch0..ch0 + n` (one block) into `p`, by `vpdpbusd` or by one AMX
+/// tile product; the same integers either way.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn block<F: Fmt, const R: usize, const AMX: bool>(
+    s: &mut AmxScratch,
+    w: &PackedMatrix,
+    rec: *const u8,
+    ch0: usize,
+    n: usize,
+    a: *const u8,
+    lda: usize,
+    p: &mut [__m512i; R],
+    q: &mut [__m512i; R],
+) {
+    if !AMX {
+        return dots::<F, R>(w, rec, ch0, n, a, lda, p, q);
+    }
+    // B is the block's n chunk vectors, 64 bytes each: a record's layout is the tile's.
+    let b = if F::INTS == Ints::Byte {
+        rec.add(ch0 * 64)
+    } else {
+        for v in ch0 / 2..(ch0 + n) / 2 {
+            let (lo, hi) = unpack::<F>(w, rec, v);
+            let o = s.b.as_mut_ptr().add((2 * v - ch0) * 64);
+            _mm512_store_si512(o as *mut _, lo);
+            _mm512_store_si512(o.add(64) as *mut _, hi);
+        }
+        s.b.as_ptr()
+    };
+    amx::product(a.add(4 * ch0), lda, b, s.c.as_mut_ptr());
+    for r in 0..R {
+        p[r] = _mm512_load_si512(s.c.as_ptr().add(16 * r) as *const _);
+    }
+}
+
+/// AMX-INT8 through inline assembly (Rust's AMX intrinsics are not stable): tile 0 holds the
+/// activations (rows × block bytes, signed), tile 1 the weights (block bytes / 4 rows of 16
+/// columns × 4 bytes, unsigned), tile 2 the sums (rows × 16 i32).
+mod amx {
+    use std::arch::asm;
+
+    #[repr(C, align(64))]
+    struct Config {
+        palette: u8,
+        start_row: u8,
+        reserved: [u8; 14],
+        colsb: [u16; 16],
+        rows: [u8; 16],
+    }
+
+    /// Shapes the tiles for `rows` activation rows and blocks of `kb` bytes.
+    pub unsafe fn configure(rows: usize, kb: usize) {
+        let mut c = Config { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
+        (c.colsb[0], c.rows[0]) = (kb as u16, rows as u8);
+        (c.colsb[1], c.rows[1]) = (64, (kb / 4) as u8);
+        (c.colsb[2], c.rows[2]) = (64, rows as u8);
+        asm!("ldtilecfg [{0}]", in(reg) &c as *const Config, options(nostack, readonly));
+    }
+
+    /// `c[r][n] = Σ_k a[r][k]·b[k / 4][4n + k % 4]` over the configured shapes.
+    #[inline(always)]
+    pub unsafe fn product(a: *const u8, lda: usize, b: *const u8, c: *mut i32) {
+        asm!(
+            "tilezero tmm2",
+            "tileloadd tmm0, [{a} + {lda}*1]",
+            "tileloadd tmm1, [{b} + {ldb}*1]",
+            "tdpbsud tmm2, tmm0, tmm1",
+            "tilestored [{c} + {ldb}*1], tmm2",
+            a = in(reg) a,
+            lda = in(reg) lda,
+            b = in(reg) b,
+            ldb = in(reg) 64usize,
+            c = in(reg) c,
+            options(nostack),
+        );
+    }
+
+    pub unsafe fn release() {
+        asm!("tilerelease", options(nostack, nomem));
     }
 }

@@ -74,6 +74,8 @@ pub fn matmul_on(path: KernelPath, w: &PackedMatrix, x: &[f32], m: usize, y: &mu
             unsafe {
                 match path {
                     #[cfg(target_arch = "x86_64")]
+                    KernelPath::Amx => avx512::range_amx(w, &xq, t0, t1, out.0, n),
+                    #[cfg(target_arch = "x86_64")]
                     KernelPath::Avx512Vnni => avx512::range(w, &xq, t0, t1, out.0, n),
                     #[cfg(target_arch = "x86_64")]
                     KernelPath::Avx2 => avx2::range(w, &xq, t0, t1, out.0, n),
@@ -163,7 +165,7 @@ mod tests {
             let x: Vec<f32> = random(64, k, 12).flatten_all().unwrap().to_vec1().unwrap();
             let mut want = vec![0f32; 64 * n];
             matmul_on(KernelPath::Scalar, &w, &x, 64, &mut want);
-            for path in [KernelPath::Avx512Vnni, KernelPath::Avx2] {
+            for path in [KernelPath::Amx, KernelPath::Avx512Vnni, KernelPath::Avx2] {
                 if !path.available() {
                     eprintln!("skipped {}: this CPU lacks it", path.name());
                     continue;

@@ -7,6 +7,10 @@ use std::sync::OnceLock;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KernelPath {
+    /// The AVX-512 VNNI path with each block's integer sums from AMX-INT8 tiles (`tdpbsud`).
+    /// Opt-in (`DSPARK_KERNELS=amx`) until its bit-for-bit test has passed on a CPU with AMX:
+    /// none of this project's machines so far had one, so it has never run.
+    Amx,
     /// AVX-512 BW + VNNI (512-bit registers, `vpdpbusd`/`vpdpwssd`).
     Avx512Vnni,
     /// AVX2 + FMA + F16C.
@@ -16,10 +20,12 @@ pub enum KernelPath {
 }
 
 impl KernelPath {
-    pub const ALL: [KernelPath; 3] = [KernelPath::Avx512Vnni, KernelPath::Avx2, KernelPath::Scalar];
+    pub const ALL: [KernelPath; 4] =
+        [KernelPath::Amx, KernelPath::Avx512Vnni, KernelPath::Avx2, KernelPath::Scalar];
 
     pub fn name(self) -> &'static str {
         match self {
+            Self::Amx => "amx-int8",
             Self::Avx512Vnni => "avx512-vnni",
             Self::Avx2 => "avx2",
             Self::Scalar => "scalar",
@@ -32,8 +38,10 @@ impl KernelPath {
         {
             use std::arch::is_x86_feature_detected as has;
             let avx2 = has!("avx2") && has!("fma") && has!("f16c");
+            let vnni = avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vnni");
             match self {
-                Self::Avx512Vnni => avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vnni"),
+                Self::Amx => vnni && amx_granted(),
+                Self::Avx512Vnni => vnni,
                 Self::Avx2 => avx2,
                 Self::Scalar => true,
             }
@@ -44,9 +52,9 @@ impl KernelPath {
         }
     }
 
-    /// The fastest path this CPU has.
+    /// The fastest path this CPU has, AMX excepted (see [`KernelPath::Amx`]).
     pub fn detected() -> Self {
-        Self::ALL.into_iter().find(|p| p.available()).unwrap_or(Self::Scalar)
+        Self::ALL.into_iter().filter(|&p| p != Self::Amx).find(|p| p.available()).unwrap_or(Self::Scalar)
     }
 
     /// Parses a `DSPARK_KERNELS` value: `Ok(None)` for `auto`, the kernel implementations that
@@ -54,12 +62,13 @@ impl KernelPath {
     pub fn from_env_value(v: &str) -> Result<Option<Self>, String> {
         let p = match v {
             "" | "auto" | "ours" | "candle" => return Ok(None),
+            "amx" | "amx-int8" => Self::Amx,
             "avx512" | "avx512-vnni" => Self::Avx512Vnni,
             "avx2" => Self::Avx2,
             "scalar" => Self::Scalar,
             other => {
                 return Err(format!(
-                    "DSPARK_KERNELS={other:?} is not a kernel path; use auto, avx512, avx2, scalar or candle"
+                    "DSPARK_KERNELS={other:?} is not a kernel path; use auto, amx, avx512, avx2, scalar or candle"
                 ))
             }
         };
@@ -87,5 +96,30 @@ pub fn kernel_path() -> KernelPath {
         let forced =
             std::env::var("DSPARK_KERNELS").ok().and_then(|v| KernelPath::from_env_value(&v).ok().flatten());
         forced.unwrap_or_else(KernelPath::detected)
+    })
+}
+
+/// Whether the CPU has AMX-TILE and AMX-INT8 and Linux let this process use the tile state
+/// (asked once: `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`; a refusal, or an older
+/// kernel, leaves the AVX-512 path).
+#[cfg(target_arch = "x86_64")]
+fn amx_granted() -> bool {
+    static GRANTED: OnceLock<bool> = OnceLock::new();
+    *GRANTED.get_or_init(|| {
+        // CPUID leaf 7 exists on every CPU with AVX2 (checked by the caller first).
+        let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
+        let (tile, int8) = (leaf7.edx & (1 << 24) != 0, leaf7.edx & (1 << 25) != 0);
+        if !(tile && int8) {
+            return false;
+        }
+        #[cfg(target_os = "linux")]
+        {
+            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+            const XFEATURE_XTILEDATA: libc::c_long = 18;
+            // SAFETY: a request for a permission; no memory is passed.
+            unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+        }
+        #[cfg(not(target_os = "linux"))]
+        false
     })
 }
