@@ -106,7 +106,7 @@ unsafe fn dots<F: Fmt, const R: usize>(
             Ints::Six => {
                 let hb = _mm256_loadu_si256(rec.add(w.rec.qh + (s / 2) * 64 + 32 * h) as *const _);
                 let m30 = _mm256_set1_epi8(0x30);
-                let (b0, b1) = if s % 2 == 0 {
+                let (b0, b1) = if s.is_multiple_of(2) {
                     (_mm256_slli_epi16(hb, 4), _mm256_slli_epi16(hb, 2))
                 } else {
                     (hb, _mm256_srli_epi16(hb, 2))

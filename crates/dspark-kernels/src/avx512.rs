@@ -103,7 +103,7 @@ unsafe fn unpack<F: Fmt>(w: &PackedMatrix, rec: *const u8, s: usize) -> (__m512i
             // bytes).
             let hb = _mm512_loadu_si512(rec.add(w.rec.qh + (s / 2) * 64) as *const _);
             let m30 = _mm512_set1_epi8(0x30);
-            let (b0, b1) = if s % 2 == 0 {
+            let (b0, b1) = if s.is_multiple_of(2) {
                 (_mm512_slli_epi16(hb, 4), _mm512_slli_epi16(hb, 2))
             } else {
                 (hb, _mm512_srli_epi16(hb, 2))
