@@ -215,10 +215,20 @@ unsafe fn tile<F: Fmt, const R: usize>(
                     let sc =
                         _mm256_cvtepi8_epi32(_mm_loadl_epi64(rec.add(w.rec.sc + 16 * l + 8 * h) as *const _));
                     for r in 0..R {
-                        let hs = *x.hsum.get_unchecked(2 * blk(r) + l) << 5;
-                        let pc = _mm256_sub_epi32(p[r], _mm256_set1_epi32(hs));
-                        i[r] = _mm256_add_epi32(i[r], _mm256_mullo_epi32(pc, sc));
+                        i[r] = _mm256_add_epi32(i[r], _mm256_mullo_epi32(p[r], sc));
                     }
+                }
+                // The integers are stored plus 32: I −= 32 · Σ_l sc_l · hsum_l.
+                let mut hb = [z; R];
+                for k in 0..8 {
+                    let sp = _mm256_loadu_si256(rec.add(w.rec.mn + 64 * k + 32 * h) as *const _);
+                    for r in 0..R {
+                        let hp = _mm256_set1_epi32(*x.hpair.get_unchecked(blk(r) + k));
+                        hb[r] = _mm256_add_epi32(hb[r], _mm256_madd_epi16(sp, hp));
+                    }
+                }
+                for r in 0..R {
+                    i[r] = _mm256_sub_epi32(i[r], _mm256_slli_epi32::<5>(hb[r]));
                 }
                 let d = _mm256_loadu_ps(rec.add(w.rec.d + 32 * h) as *const f32);
                 for r in 0..R {

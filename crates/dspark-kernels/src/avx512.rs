@@ -251,10 +251,20 @@ unsafe fn tile<F: Fmt, const R: usize, const AMX: bool>(
                     block::<F, R, AMX>(amx, w, rec, 4 * l, 4, a, lda, &mut p, &mut q);
                     let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(rec.add(w.rec.sc + 16 * l) as *const _));
                     for r in 0..R {
-                        let h = *x.hsum.get_unchecked(2 * blk(r) + l) << 5;
-                        let pc = _mm512_sub_epi32(_mm512_add_epi32(p[r], q[r]), _mm512_set1_epi32(h));
-                        i[r] = _mm512_add_epi32(i[r], _mm512_mullo_epi32(pc, sc));
+                        i[r] = _mm512_add_epi32(i[r], _mm512_mullo_epi32(_mm512_add_epi32(p[r], q[r]), sc));
                     }
+                }
+                // The integers are stored plus 32: I −= 32 · Σ_l sc_l · hsum_l.
+                let mut hb = [z; R];
+                for k in 0..8 {
+                    let sp = _mm512_loadu_si512(rec.add(w.rec.mn + 64 * k) as *const _);
+                    for r in 0..R {
+                        let h = _mm512_set1_epi32(*x.hpair.get_unchecked(blk(r) + k));
+                        hb[r] = _mm512_dpwssd_epi32(hb[r], sp, h);
+                    }
+                }
+                for r in 0..R {
+                    i[r] = _mm512_sub_epi32(i[r], _mm512_slli_epi32::<5>(hb[r]));
                 }
                 let d = _mm512_loadu_ps(rec.add(w.rec.d) as *const f32);
                 for r in 0..R {

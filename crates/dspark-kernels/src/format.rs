@@ -148,6 +148,9 @@ pub struct Q8Rows {
     /// Per pair of blocks (`rows × nbp / 2`): their two sums as i16, low half first (a block's
     /// sum is at most 32 · 127), Q4_K's offset term's partner in `vpdpwssd`.
     pub bpair: Vec<i32>,
+    /// Per block: the sums of its two halves as i16, low half first (Q6_K's bias term's partner
+    /// in `vpdpwssd`).
+    pub hpair: Vec<i32>,
 }
 
 impl Q8Rows {
@@ -180,7 +183,8 @@ impl Q8Rows {
                 .for_each(row);
         }
         let bpair = bsum.chunks_exact(2).map(|p| (p[0] & 0xFFFF) | (p[1] << 16)).collect();
-        Self { rows, k, nbp, qs, d, bsum, hsum, xs, bpair }
+        let hpair = hsum.chunks_exact(2).map(|p| (p[0] & 0xFFFF) | (p[1] << 16)).collect();
+        Self { rows, k, nbp, qs, d, bsum, hsum, xs, bpair, hpair }
     }
 }
 

@@ -18,7 +18,8 @@
 //! - scales, column-minor (16 columns side by side): legacy formats `d` (and `m`) as f16 per
 //!   block; Q4_K `d` and `−dmin` as f32, the 6-bit scales per block as bytes, and the mins of
 //!   each pair of blocks as a pair of i16 per column;
-//!   Q6_K `d` as f32, then the i8 scale of each half-block.
+//!   Q6_K `d` as f32, the i8 scale of each half-block, and those scales again as a pair of i16
+//!   per column and pair of half-blocks.
 
 use crate::format::{decode_block, QuantFormat, QK};
 use half::f16;
@@ -50,7 +51,8 @@ pub struct Record {
     /// K4: 8 blocks × 16 bytes. K6: 16 half-blocks × 16 bytes (i8).
     pub sc: usize,
     /// K4: the mins of blocks 2i and 2i + 1 as a pair of i16 per column (4 vectors of 16 × 4
-    /// bytes), for one `vpdpwssd` per pair of blocks.
+    /// bytes), for one `vpdpwssd` per pair of blocks. K6: the scales of half-blocks 2i and
+    /// 2i + 1 likewise (8 vectors), for the bias term `Σ sc_l · 32 · hsum_l`.
     pub mn: usize,
     pub size: usize,
 }
@@ -72,7 +74,7 @@ impl Record {
             }
             QuantFormat::Q6K => {
                 let qh = qs + 16 * 64;
-                Self { qh: qs, d: qh, m: qh, sc: qh + 64, mn: qh + 320, size: qh + 320 }
+                Self { qh: qs, d: qh, m: qh, sc: qh + 64, mn: qh + 320, size: qh + 320 + 512 }
             }
             _ => {
                 let qh = if matches!(format, QuantFormat::Q5_0 | QuantFormat::Q5_1) { 64 * 8 } else { 0 };
@@ -440,6 +442,8 @@ fn put_record(f: QuantFormat, rec: Record, r: &mut [u8], c: usize, cg: &ColumnGr
             r[rec.d + 4 * c..][..4].copy_from_slice(&cg.d.to_le_bytes());
             for l in 0..16 {
                 r[rec.sc + 16 * l + c] = cg.sc[l];
+                let o = rec.mn + 64 * (l / 2) + 4 * c + 2 * (l % 2);
+                r[o..o + 2].copy_from_slice(&(cg.sc[l] as i8 as i16).to_le_bytes());
             }
         }
     }
