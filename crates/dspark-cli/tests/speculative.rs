@@ -86,6 +86,26 @@ fn greedy_qwen_pair_output_is_plain_greedy_output_on_100_prompts() {
 }
 
 #[test]
+#[ignore = "opt-in: installs the 1.1 GB Qwen2.5-Coder-1.5B; run with `cargo test --release -- --ignored`"]
+fn greedy_output_with_the_shipped_qwen_dspark_drafter_is_plain_greedy_output() {
+    let m = std::sync::Arc::new(Model::load(&common::model("qwen2.5-coder-1.5b")).unwrap());
+    let dir =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../drafters/qwen2.5-coder-1.5b-dspark-markov");
+    let mut d = dspark_drafters::load_network_drafter(
+        dspark_drafter_models::Method::Dspark,
+        &dir,
+        m.clone(),
+        "qwen2.5-coder-1.5b",
+    )
+    .unwrap();
+    for (i, prompt) in math_and_code(&m, 10).iter().enumerate() {
+        let want = plain(&m, prompt, 48);
+        let (got, _) = spec(&m, d.as_mut(), prompt, 48, 7);
+        assert_eq!(got, want, "prompt {i}");
+    }
+}
+
+#[test]
 fn sampled_verification_follows_real_smollm2_distributions() {
     let m = std::sync::Arc::new(Model::load(&common::model("smollm2-135m")).unwrap());
     let v = m.vocab_size();
