@@ -268,7 +268,11 @@ fn init_drafter_then_generate_through_the_cli_equals_plain_output() {
     with.extend(["--drafter", spec.as_str()]);
     let got = common::dspark_json(&with);
     assert_eq!(got["tokens"], plain["tokens"]);
-    // γ defaults to the checkpoint's block (5), not the n-gram default (3).
+    // γ defaults to the checkpoint's block (5), not the n-gram default (3): every draft verified
+    // (a random drafter's predicted survival falls under the default threshold at once).
+    with.extend(["--min-survival", "0"]);
+    let got = common::dspark_json(&with);
+    assert_eq!(got["tokens"], plain["tokens"]);
     let (drafted, rounds) =
         (got["stats"]["drafted"].as_f64().unwrap(), got["stats"]["rounds"].as_f64().unwrap());
     assert!(drafted / rounds > 3.5, "{drafted} drafts in {rounds} rounds");
