@@ -123,6 +123,25 @@ unsafe fn dots<F: Fmt, const R: usize>(
     }
 }
 
+/// `Σ_k madd(v_k, pair(r, k))` per row over `n` vectors of i16 pairs (this half's 32 bytes of
+/// each 64-byte vector at `v`): a per-column pair of small integers against a row's pair of
+/// block sums.
+#[inline(always)]
+unsafe fn pair_sums<const R: usize>(
+    v: *const u8,
+    n: usize,
+    pair: impl Fn(usize, usize) -> i32,
+) -> [__m256i; R] {
+    let mut out = [_mm256_setzero_si256(); R];
+    for k in 0..n {
+        let vk = _mm256_loadu_si256(v.add(64 * k) as *const _);
+        for (r, o) in out.iter_mut().enumerate() {
+            *o = _mm256_add_epi32(*o, _mm256_madd_epi16(vk, _mm256_set1_epi32(pair(r, k))));
+        }
+    }
+    out
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile<F: Fmt, const R: usize>(
@@ -188,14 +207,9 @@ unsafe fn tile<F: Fmt, const R: usize>(
                         i[r] = _mm256_add_epi32(i[r], _mm256_mullo_epi32(p[r], sc));
                     }
                 }
-                let mut m = [z; R];
-                for i in 0..4 {
-                    let mn = _mm256_loadu_si256(rec.add(w.rec.mn + 64 * i + 32 * h) as *const _);
-                    for r in 0..R {
-                        let s = _mm256_set1_epi32(*x.bpair.get_unchecked(blk(r) / 2 + i));
-                        m[r] = _mm256_add_epi32(m[r], _mm256_madd_epi16(mn, s));
-                    }
-                }
+                let m = pair_sums::<R>(rec.add(w.rec.mn + 32 * h), 4, |r, i| {
+                    *x.bpair.get_unchecked(blk(r) / 2 + i)
+                });
                 let d = _mm256_loadu_ps(rec.add(w.rec.d + 32 * h) as *const f32);
                 let nd = _mm256_loadu_ps(rec.add(w.rec.m + 32 * h) as *const f32);
                 for r in 0..R {
@@ -219,14 +233,8 @@ unsafe fn tile<F: Fmt, const R: usize>(
                     }
                 }
                 // The integers are stored plus 32: I −= 32 · Σ_l sc_l · hsum_l.
-                let mut hb = [z; R];
-                for k in 0..8 {
-                    let sp = _mm256_loadu_si256(rec.add(w.rec.mn + 64 * k + 32 * h) as *const _);
-                    for r in 0..R {
-                        let hp = _mm256_set1_epi32(*x.hpair.get_unchecked(blk(r) + k));
-                        hb[r] = _mm256_add_epi32(hb[r], _mm256_madd_epi16(sp, hp));
-                    }
-                }
+                let hb =
+                    pair_sums::<R>(rec.add(w.rec.mn + 32 * h), 8, |r, k| *x.hpair.get_unchecked(blk(r) + k));
                 for r in 0..R {
                     i[r] = _mm256_sub_epi32(i[r], _mm256_slli_epi32::<5>(hb[r]));
                 }

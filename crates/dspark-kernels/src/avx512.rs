@@ -225,14 +225,7 @@ unsafe fn tile<F: Fmt, const R: usize, const AMX: bool>(
                         i[r] = _mm512_add_epi32(i[r], _mm512_mullo_epi32(_mm512_add_epi32(p[r], q[r]), sc));
                     }
                 }
-                let mut m = [z; R];
-                for i in 0..4 {
-                    let mn = _mm512_loadu_si512(rec.add(w.rec.mn + 64 * i) as *const _);
-                    for r in 0..R {
-                        let s = _mm512_set1_epi32(*x.bpair.get_unchecked(blk(r) / 2 + i));
-                        m[r] = _mm512_dpwssd_epi32(m[r], mn, s);
-                    }
-                }
+                let m = pair_sums::<R>(rec.add(w.rec.mn), 4, |r, i| *x.bpair.get_unchecked(blk(r) / 2 + i));
                 let d = _mm512_loadu_ps(rec.add(w.rec.d) as *const f32);
                 let nd = _mm512_loadu_ps(rec.add(w.rec.m) as *const f32);
                 for r in 0..R {
@@ -255,14 +248,7 @@ unsafe fn tile<F: Fmt, const R: usize, const AMX: bool>(
                     }
                 }
                 // The integers are stored plus 32: I −= 32 · Σ_l sc_l · hsum_l.
-                let mut hb = [z; R];
-                for k in 0..8 {
-                    let sp = _mm512_loadu_si512(rec.add(w.rec.mn + 64 * k) as *const _);
-                    for r in 0..R {
-                        let h = _mm512_set1_epi32(*x.hpair.get_unchecked(blk(r) + k));
-                        hb[r] = _mm512_dpwssd_epi32(hb[r], sp, h);
-                    }
-                }
+                let hb = pair_sums::<R>(rec.add(w.rec.mn), 8, |r, k| *x.hpair.get_unchecked(blk(r) + k));
                 for r in 0..R {
                     i[r] = _mm512_sub_epi32(i[r], _mm512_slli_epi32::<5>(hb[r]));
                 }
@@ -283,6 +269,24 @@ unsafe fn tile<F: Fmt, const R: usize, const AMX: bool>(
             _mm512_mask_storeu_ps(o, ((1u32 << valid) - 1) as u16, acc[r]);
         }
     }
+}
+
+/// `Σ_k vpdpwssd(v_k, pair(r, k))` per row over `n` 64-byte vectors of i16 pairs at `v`: a
+/// per-column pair of small integers against a row's pair of block sums.
+#[inline(always)]
+unsafe fn pair_sums<const R: usize>(
+    v: *const u8,
+    n: usize,
+    pair: impl Fn(usize, usize) -> i32,
+) -> [__m512i; R] {
+    let mut out = [_mm512_setzero_si512(); R];
+    for k in 0..n {
+        let vk = _mm512_loadu_si512(v.add(64 * k) as *const _);
+        for (r, o) in out.iter_mut().enumerate() {
+            *o = _mm512_dpwssd_epi32(*o, vk, _mm512_set1_epi32(pair(r, k)));
+        }
+    }
+    out
 }
 
 /// Where AMX tiles are staged: a block's weights as bytes (B), and the tile of integer sums (C).

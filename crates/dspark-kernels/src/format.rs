@@ -141,8 +141,6 @@ pub struct Q8Rows {
     /// Per block: the sum of its 32 integers (the offset term of Q4_K, and the bias correction
     /// of formats stored with one).
     pub bsum: Vec<i32>,
-    /// Per half-block (`rows × nbp × 2`): the sum of its 16 integers (Q6_K's bias correction).
-    pub hsum: Vec<i32>,
     /// Per block: `d · bsum` (the offset term of the "_1" formats).
     pub xs: Vec<f32>,
     /// Per pair of blocks (`rows × nbp / 2`): their two sums as i16, low half first (a block's
@@ -162,7 +160,7 @@ impl Q8Rows {
         let mut qs = vec![0i8; rows * kp];
         let mut d = vec![0f32; rows * nbp];
         let mut bsum = vec![0i32; rows * nbp];
-        let mut hsum = vec![0i32; rows * nbp * 2];
+        let mut hpair = vec![0i32; rows * nbp];
         let mut xs = vec![0f32; rows * nbp];
         // Rows are independent; big batches quantize on all threads. A few rows (a drafter's
         // block, a decode step) take microseconds, less than waking the pool.
@@ -173,18 +171,17 @@ impl Q8Rows {
             x.par_chunks(k)
                 .zip(qs.par_chunks_mut(kp))
                 .zip(d.par_chunks_mut(nbp))
-                .zip(bsum.par_chunks_mut(nbp).zip(hsum.par_chunks_mut(2 * nbp)).zip(xs.par_chunks_mut(nbp)))
+                .zip(bsum.par_chunks_mut(nbp).zip(hpair.par_chunks_mut(nbp)).zip(xs.par_chunks_mut(nbp)))
                 .for_each(row);
         } else {
             x.chunks(k)
                 .zip(qs.chunks_mut(kp))
                 .zip(d.chunks_mut(nbp))
-                .zip(bsum.chunks_mut(nbp).zip(hsum.chunks_mut(2 * nbp)).zip(xs.chunks_mut(nbp)))
+                .zip(bsum.chunks_mut(nbp).zip(hpair.chunks_mut(nbp)).zip(xs.chunks_mut(nbp)))
                 .for_each(row);
         }
         let bpair = bsum.chunks_exact(2).map(|p| (p[0] & 0xFFFF) | (p[1] << 16)).collect();
-        let hpair = hsum.chunks_exact(2).map(|p| (p[0] & 0xFFFF) | (p[1] << 16)).collect();
-        Self { rows, k, nbp, qs, d, bsum, hsum, xs, bpair, hpair }
+        Self { rows, k, nbp, qs, d, bsum, xs, bpair, hpair }
     }
 }
 
@@ -193,7 +190,7 @@ fn quantize_row(
     qs: &mut [i8],
     d: &mut [f32],
     bsum: &mut [i32],
-    hsum: &mut [i32],
+    hpair: &mut [i32],
     xs: &mut [f32],
     group: usize,
 ) {
@@ -219,8 +216,7 @@ fn quantize_row(
         }
         let h0: i32 = q[..16].iter().map(|&v| v as i32).sum();
         let h1: i32 = q[16..].iter().map(|&v| v as i32).sum();
-        hsum[2 * b] = h0;
-        hsum[2 * b + 1] = h1;
+        hpair[b] = (h0 & 0xFFFF) | (h1 << 16);
         bsum[b] = h0 + h1;
         xs[b] = d[b] * (h0 + h1) as f32;
     }
