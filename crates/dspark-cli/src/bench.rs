@@ -89,6 +89,9 @@ pub enum BenchCmd {
         /// Timed repetitions per case.
         #[arg(long, default_value_t = 20)]
         reps: usize,
+        /// Only the training products (f32 against bf16), not the quantized kernels.
+        #[arg(long)]
+        training: bool,
     },
 }
 
@@ -97,7 +100,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
         BenchCmd::Forward { model, context, reps, json, prefill } => {
             forward(&model, context, reps, json, prefill)
         }
-        BenchCmd::Kernels { reps } => kernels(reps),
+        BenchCmd::Kernels { reps, training } => kernels(reps, training),
         BenchCmd::Draft { model, context, gammas, vocabs, layers, intermediate, reps, json } => {
             draft(&model, context, &gammas, &vocabs, (layers, intermediate), reps, json)
         }
@@ -365,8 +368,11 @@ fn rayon_threads() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
 
-fn kernels(reps: usize) -> Result<()> {
+fn kernels(reps: usize, training_only: bool) -> Result<()> {
     println!("cpu {}  kernels {}", cpu_summary(), dspark_kernels::kernel_path().name());
+    if training_only {
+        return training_matmuls(reps);
+    }
     let shapes = [(576usize, 1536usize), (1536, 576), (576, 49152), (1536, 8960)];
     let formats = [GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K];
     println!(
@@ -407,6 +413,84 @@ fn kernels(reps: usize) -> Result<()> {
                 );
             }
         }
+    }
+    training_matmuls(reps)
+}
+
+/// The products of a training step (Qwen2.5-Coder-1.5B drafter, 1 792 block positions): candle's
+/// f32 matmul against our bf16 one, in the three layouts of a linear layer's forward and backward.
+fn training_matmuls(reps: usize) -> Result<()> {
+    use dspark_kernels::bf16::{self, Mat};
+    println!(
+        "\ntraining matmuls (f32 operands, bf16 products{}):",
+        if bf16::available() {
+            ", AVX-512-BF16"
+        } else {
+            "; this CPU has no AVX-512-BF16: portable and slow"
+        }
+    );
+    println!("{:<28} {:>14} {:>12} {:>12} {:>8}", "product", "m×k×n", "candle GF/s", "bf16 GF/s", "speedup");
+    let (m, d, f) = (1792usize, 1536usize, 4096usize);
+    let x = Tensor::randn(0f32, 1.0, (m, d), &Device::Cpu)?;
+    let w = Tensor::randn(0f32, 1.0, (f, d), &Device::Cpu)?;
+    let g = Tensor::randn(0f32, 1.0, (m, f), &Device::Cpu)?;
+    let (xv, wv, gv) = (
+        x.flatten_all()?.to_vec1::<f32>()?,
+        w.flatten_all()?.to_vec1::<f32>()?,
+        g.flatten_all()?.to_vec1::<f32>()?,
+    );
+    let time = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
+        f()?;
+        let mut v = Vec::new();
+        for _ in 0..reps.clamp(1, 5) {
+            let t = Instant::now();
+            f()?;
+            v.push(t.elapsed().as_secs_f64());
+        }
+        Ok(median(v))
+    };
+    type Run<'a> = Box<dyn Fn() -> Result<()> + 'a>;
+    type Case<'a> = (&'static str, [usize; 3], Run<'a>, Run<'a>);
+    let cases: [Case; 3] = [
+        (
+            "y = x·Wᵀ (forward)",
+            [m, d, f],
+            Box::new(|| Ok(x.matmul(&w.t()?).map(|_| ())?)),
+            Box::new(|| {
+                bf16::matmul(Mat::new(&xv, m, d), Mat::new(&wv, f, d).t());
+                Ok(())
+            }),
+        ),
+        (
+            "∂x = G·W (backward)",
+            [m, f, d],
+            Box::new(|| Ok(g.matmul(&w).map(|_| ())?)),
+            Box::new(|| {
+                bf16::matmul(Mat::new(&gv, m, f), Mat::new(&wv, f, d));
+                Ok(())
+            }),
+        ),
+        (
+            "∂W = Gᵀ·x (backward)",
+            [f, m, d],
+            Box::new(|| Ok(g.t()?.matmul(&x).map(|_| ())?)),
+            Box::new(|| {
+                bf16::matmul(Mat::new(&gv, m, f).t(), Mat::new(&xv, m, d));
+                Ok(())
+            }),
+        ),
+    ];
+    for (name, [a, b, c], theirs, ours) in &cases {
+        let flops = 2.0 * (a * b * c) as f64;
+        let (tc, to) = (time(theirs.as_ref())?, time(ours.as_ref())?);
+        println!(
+            "{:<28} {:>14} {:>12.1} {:>12.1} {:>7.2}×",
+            name,
+            format!("{a}×{b}×{c}"),
+            flops / tc / 1e9,
+            flops / to / 1e9,
+            tc / to
+        );
     }
     Ok(())
 }
@@ -517,12 +601,16 @@ fn decode(
         out["accept_at"] = stats.accept_at().into();
         out["draft_s"] = stats.draft_s.into();
         out["verify_s"] = stats.verify_s.into();
+        out["verify_lengths"] = stats.verify_lengths().into();
         eprintln!(
-            "plain {plain_tok_s:.1} tok/s | {} γ={} {spec_tok_s:.1} tok/s ({:.2}×), τ {:.2}",
+            "plain {plain_tok_s:.1} tok/s | {} γ={} {spec_tok_s:.1} tok/s ({:.2}×), τ {:.2}, \
+             acceptance per position {}\n  drafts verified per step (count:steps): {}",
             d.0.name(),
             d.1,
             spec_tok_s / plain_tok_s,
-            stats.tau()
+            stats.tau(),
+            stats.accept_at().iter().map(|a| format!("{a:.2}")).collect::<Vec<_>>().join(" "),
+            stats.verify_lengths_line()
         );
     }
     println!("{out}");

@@ -209,7 +209,7 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
             "[{prompt_tokens} prompt tokens in {prefill_s:.2}s, {generated} generated, {tok_s:.1} tok/s decode"
         );
         if let Some(s) = &spec_stats {
-            line += &format!(", τ {:.2}", s.tau());
+            line += &format!(", τ {:.2}, drafts verified per step {}", s.tau(), s.verify_lengths_line());
         }
         eprintln!("{line}]");
         if let Some(s) = spec_stats.as_ref().filter(|s| s.plain_steps > 0 && a.spec.drafter == "auto") {

@@ -32,8 +32,11 @@ pub struct TrainArgs {
     /// Continue the run in --out from its last checkpoint (same settings, same result).
     #[arg(long)]
     resume: bool,
-    #[arg(long, default_value_t = 1000)]
-    steps: usize,
+    /// Optimisation steps of the run (default 1 000). A resumed run keeps the count it started
+    /// with, so that it ends where the uninterrupted run would (its learning-rate schedule
+    /// depends on it).
+    #[arg(long)]
+    steps: Option<usize>,
     /// Sequences per step.
     #[arg(long, default_value_t = 4)]
     batch: usize,
@@ -62,7 +65,8 @@ extern "C" fn on_sigint(_: libc::c_int) {
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
-    if a.steps == 0 || a.batch == 0 || a.anchors == 0 {
+    let steps = a.steps.unwrap_or(1000);
+    if steps == 0 || a.batch == 0 || a.anchors == 0 {
         bail!("--steps, --batch and --anchors must be at least 1");
     }
     let target_arg = ModelArg { model: a.target.clone() };
@@ -107,7 +111,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         );
     }
     let cfg = TrainConfig {
-        steps: a.steps,
+        steps,
         batch: a.batch,
         anchors: a.anchors,
         max_len: a.max_len,
@@ -123,6 +127,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
         libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t);
     }
     let c = &t.cfg;
+    if let Some(s) = a.steps.filter(|&s| a.resume && s != c.steps) {
+        eprintln!("--steps {s} ignored: the resumed run keeps its schedule of {} steps", c.steps);
+    }
     eprintln!(
         "training {} for {name}: {} samples, {} steps × {} sequences{}, starting at step {}",
         t.config.ext().method,

@@ -2,7 +2,8 @@
 //! `softmax`/`rms_norm` have no backward pass, and the training code reuses these functions.
 
 use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{Device, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor, D};
+use dspark_kernels::bf16::Mat;
 use dspark_kernels::{KernelChoice, QLinear};
 use std::sync::Arc;
 
@@ -48,33 +49,92 @@ impl Linear {
     }
 }
 
-/// `x · wᵀ` (`x`: `(m, in)`, `w`: `(out, in)`) whose backward pass computes only the gradients
-/// that exist. candle's matmul backward always computes both sides, so a frozen weight (the LM
-/// head) or a constant input (the target's features into `fc`) cost a whole extra matmul per
-/// step, ~20 % of a training step's multiply-adds.
+/// `x · wᵀ` (`x`: `(m, in)`, `w`: `(out, in)`) for training, whose backward pass computes only
+/// the gradients that exist. candle's matmul backward always computes both sides, so a frozen
+/// weight (the LM head) or a constant input (the target's features into `fc`) cost a whole extra
+/// matmul per step, ~20 % of a training step's multiply-adds. Where the CPU has AVX-512-BF16
+/// the forward and backward products run in bf16 with f32 sums ([`dspark_kernels::bf16`]),
+/// twice candle's f32 rate; with nothing to differentiate (drafting) the product stays f32.
 pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (tx, tw) = (x.track_op(), w.track_op());
-    if tx == tw || x.rank() != 2 || x.dtype() != candle_core::DType::F32 {
+    let f32_2d = x.rank() == 2 && w.rank() == 2 && x.dtype() == DType::F32 && w.dtype() == DType::F32;
+    let bf16 = f32_2d && dspark_kernels::bf16::available();
+    if !(tx || tw) || !f32_2d || (tx && tw && !bf16) {
         return x.matmul(&w.t()?);
     }
-    let y = x.detach().matmul(&w.detach().t()?)?;
+    let (x, w) = (x.clone(), w.clone());
+    let y = if bf16 {
+        product(&x.detach(), false, &w.detach(), true)?
+    } else {
+        x.detach().matmul(&w.detach().t()?)?
+    };
     let op = Precomputed {
         value: std::sync::Mutex::new(Some(y.flatten_all()?.to_vec1::<f32>()?)),
         shape: y.shape().clone(),
-        grad: if tx { GradRule::ConstW(w.detach()) } else { GradRule::ConstX(x.detach()) },
+        grad: match (tx, tw) {
+            (true, true) => GradRule::Both,
+            (true, false) => GradRule::ConstW(w.detach()),
+            _ => GradRule::ConstX(x.detach()),
+        },
+        bf16,
     };
-    if tx {
-        x.apply_op1(op)
-    } else {
-        w.apply_op1(op)
+    match (tx, tw) {
+        (true, true) => x.apply_op2(&w, op),
+        (true, false) => x.apply_op1(op),
+        _ => w.apply_op1(op),
     }
 }
 
-/// A value computed outside the graph, attached to the one tensor that needs its gradient.
+/// `x · wᵀ` of constants (no gradient) in bf16 products where the CPU has AVX-512-BF16, f32
+/// elsewhere: training's label computations (the target's distribution over the draft
+/// vocabulary), which a frozen quantized target only approximates to begin with.
+pub fn matmul_t_const(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let f32_2d = x.rank() == 2 && w.rank() == 2 && x.dtype() == DType::F32 && w.dtype() == DType::F32;
+    if f32_2d && dspark_kernels::bf16::available() {
+        product(&x.detach(), false, &w.detach(), true)
+    } else {
+        x.detach().matmul(&w.detach().t()?)
+    }
+}
+
+/// `op(a) · op(b)` of 2-D f32 tensors with bf16 products, `op` transposing where asked.
+fn product(a: &Tensor, ta: bool, b: &Tensor, tb: bool) -> Result<Tensor> {
+    with_mat(a, |am| {
+        with_mat(b, |bm| {
+            let (am, bm) = (if ta { am.t() } else { am }, if tb { bm.t() } else { bm });
+            let c = dspark_kernels::bf16::matmul(am, bm);
+            Tensor::from_vec(c, (am.rows, bm.cols), &Device::Cpu)
+        })?
+    })?
+}
+
+/// Runs `f` on a 2-D f32 CPU tensor's values, in place when it is contiguous or a transposed
+/// contiguous view (as `w.t()` is), otherwise on a contiguous copy.
+fn with_mat<R>(t: &Tensor, f: impl FnOnce(Mat) -> R) -> Result<R> {
+    let (r, c) = t.dims2()?;
+    {
+        let (s, l) = t.storage_and_layout();
+        if let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) = &*s {
+            if let Some((a, b)) = l.contiguous_offsets() {
+                return Ok(f(Mat::new(&v[a..b], r, c)));
+            }
+            if l.is_fortran_contiguous() {
+                let o = l.start_offset();
+                return Ok(f(Mat::new(&v[o..o + r * c], c, r).t()));
+            }
+        }
+    }
+    let v = t.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+    Ok(f(Mat::new(&v, r, c)))
+}
+
+/// A value computed outside the graph, attached to the tensors that need its gradient.
 struct Precomputed {
     value: std::sync::Mutex<Option<Vec<f32>>>,
     shape: candle_core::Shape,
     grad: GradRule,
+    /// Backward products in bf16 (as the forward's were).
+    bf16: bool,
 }
 
 enum GradRule {
@@ -82,9 +142,37 @@ enum GradRule {
     ConstW(Tensor),
     /// The argument is `w` of `x · wᵀ`: `∂/∂w = Gᵀ · x`.
     ConstX(Tensor),
+    /// The arguments are `x` and `w` of `x · wᵀ`, both needing gradients.
+    Both,
     /// The argument is anything, the value a scalar `L` with `∂L/∂arg = G` (a loss whose
     /// gradient was worked out by hand).
     Given(Tensor),
+}
+
+impl Precomputed {
+    fn take(&self) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let v = self.value.lock().map_err(|_| candle_core::Error::Msg("poisoned".into()))?.take();
+        let v = v.ok_or_else(|| candle_core::Error::Msg("a precomputed value is used once".into()))?;
+        Ok((candle_core::CpuStorage::F32(v), self.shape.clone()))
+    }
+
+    /// `G · w`.
+    fn grad_x(&self, g: &Tensor, w: &Tensor) -> Result<Tensor> {
+        if self.bf16 {
+            product(g, false, w, false)
+        } else {
+            g.matmul(w)
+        }
+    }
+
+    /// `Gᵀ · x`.
+    fn grad_w(&self, g: &Tensor, x: &Tensor) -> Result<Tensor> {
+        if self.bf16 {
+            product(g, true, x, false)
+        } else {
+            g.t()?.matmul(x)
+        }
+    }
 }
 
 impl candle_core::CustomOp1 for Precomputed {
@@ -97,17 +185,43 @@ impl candle_core::CustomOp1 for Precomputed {
         _: &candle_core::CpuStorage,
         _: &candle_core::Layout,
     ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let v = self.value.lock().map_err(|_| candle_core::Error::Msg("poisoned".into()))?.take();
-        let v = v.ok_or_else(|| candle_core::Error::Msg("a precomputed value is used once".into()))?;
-        Ok((candle_core::CpuStorage::F32(v), self.shape.clone()))
+        self.take()
     }
 
     fn bwd(&self, _: &Tensor, _: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(match &self.grad {
-            GradRule::ConstW(w) => g.matmul(w)?,
-            GradRule::ConstX(x) => g.t()?.matmul(x)?,
+            GradRule::ConstW(w) => self.grad_x(g, w)?,
+            GradRule::ConstX(x) => self.grad_w(g, x)?,
             GradRule::Given(grad) => grad.broadcast_mul(g)?,
+            GradRule::Both => candle_core::bail!("a product of two tracked tensors is a binary op"),
         }))
+    }
+}
+
+impl candle_core::CustomOp2 for Precomputed {
+    fn name(&self) -> &'static str {
+        "precomputed-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        self.take()
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (x, w) = (x.detach(), w.detach());
+        Ok((Some(self.grad_x(g, &w)?), Some(self.grad_w(g, &x)?)))
     }
 }
 
@@ -121,6 +235,7 @@ pub fn with_gradient(arg: &Tensor, value: f32, grad: Tensor) -> Result<Tensor> {
         value: std::sync::Mutex::new(Some(vec![value])),
         shape: ().into(),
         grad: GradRule::Given(grad),
+        bf16: false,
     })
 }
 
@@ -399,36 +514,51 @@ mod tests {
         }
     }
 
-    /// The gradient-skipping matmul gives candle's value and candle's gradient on the side that
-    /// has one.
+    /// The training matmul gives candle's value and candle's gradients on the sides that have
+    /// one, of the operands its products see: rounded to bf16 where the CPU has AVX-512-BF16.
     #[test]
-    fn matmul_t_with_a_constant_side_matches_candle() {
+    fn matmul_t_matches_candle_on_the_operands_it_multiplies() {
         use candle_core::Var;
+        use dspark_kernels::bf16::{available, from_bf16, to_bf16};
         let dev = Device::Cpu;
+        let round = |v: &[f32]| -> Vec<f32> {
+            v.iter().map(|&x| if available() { from_bf16(to_bf16(x)) } else { x }).collect()
+        };
         let xv: Vec<f32> = (0..15).map(|i| (i as f32 * 0.37).sin()).collect();
         let wv: Vec<f32> = (0..20).map(|i| (i as f32 * 0.53).cos()).collect();
+        // Half-integers: exact in bf16, so both sides' gradients multiply the same values.
         let probe =
             Tensor::from_vec((0..12).map(|i| i as f32 - 5.5).collect::<Vec<_>>(), (3, 4), &dev).unwrap();
-        for x_var in [true, false] {
-            let x = Var::from_vec(xv.clone(), (3, 5), &dev).unwrap();
-            let w = Var::from_vec(wv.clone(), (4, 5), &dev).unwrap();
-            let (xt, wt) = if x_var {
-                (x.as_tensor().clone(), w.as_tensor().detach())
-            } else {
-                (x.as_tensor().detach(), w.as_tensor().clone())
+        for (x_var, w_var) in [(true, false), (false, true), (true, true)] {
+            let vars = |xv: &[f32], wv: &[f32]| {
+                let x = Var::from_vec(xv.to_vec(), (3, 5), &dev).unwrap();
+                let w = Var::from_vec(wv.to_vec(), (4, 5), &dev).unwrap();
+                let xt = if x_var { x.as_tensor().clone() } else { x.as_tensor().detach() };
+                let wt = if w_var { w.as_tensor().clone() } else { w.as_tensor().detach() };
+                (x, w, xt, wt)
             };
+            let (x, w, xt, wt) = vars(&xv, &wv);
+            let (xr, wr, xrt, wrt) = vars(&round(&xv), &round(&wv));
             let fast = matmul_t(&xt, &wt).unwrap();
-            let slow = xt.matmul(&wt.t().unwrap()).unwrap();
-            assert_eq!(fast.to_vec2::<f32>().unwrap(), slow.to_vec2::<f32>().unwrap());
+            let slow = xrt.matmul(&wrt.t().unwrap()).unwrap();
+            let close = |a: &Tensor, b: &Tensor| {
+                let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                assert_eq!(a.len(), b.len());
+                for (p, q) in a.iter().zip(&b) {
+                    assert!((p - q).abs() < 1e-5, "{p} vs {q} ({x_var}, {w_var})");
+                }
+            };
+            close(&fast, &slow);
             let (gf, gs) = (
                 (&fast * &probe).unwrap().sum_all().unwrap().backward().unwrap(),
                 (&slow * &probe).unwrap().sum_all().unwrap().backward().unwrap(),
             );
-            let v = if x_var { &x } else { &w };
-            let a = gf.get(v.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            let b = gs.get(v.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            for (p, q) in a.iter().zip(&b) {
-                assert!((p - q).abs() < 1e-5, "{p} vs {q}");
+            for (on, v, vr) in [(x_var, &x, &xr), (w_var, &w, &wr)] {
+                match gf.get(v.as_tensor()) {
+                    Some(g) => close(g, gs.get(vr.as_tensor()).unwrap()),
+                    None => assert!(!on, "a tracked side got no gradient"),
+                }
             }
         }
     }

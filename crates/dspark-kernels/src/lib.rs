@@ -16,6 +16,7 @@ mod x86;
 #[doc(hidden)]
 pub use x86::PREFETCH;
 
+pub mod bf16;
 mod format;
 mod linear;
 mod packed;

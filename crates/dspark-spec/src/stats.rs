@@ -15,6 +15,9 @@ pub struct SpecStats {
     pub reached_at: Vec<usize>,
     /// Rounds in which the draft at position k was accepted.
     pub accepted_at_count: Vec<usize>,
+    /// Rounds that verified k drafts, at index k: what the scheduler chose to verify (a round
+    /// verifies at least one draft; steps that verified none are `plain_steps`).
+    pub verified_len: Vec<usize>,
     pub prefill_s: f64,
     pub decode_s: f64,
     pub draft_s: f64,
@@ -41,6 +44,10 @@ impl SpecStats {
         for k in 0..accepted {
             self.accepted_at_count[k] += 1;
         }
+        if self.verified_len.len() <= drafted {
+            self.verified_len.resize(drafted + 1, 0);
+        }
+        self.verified_len[drafted] += 1;
         self.draft_s += draft_s;
         self.verify_s += verify_s;
     }
@@ -90,11 +97,40 @@ impl SpecStats {
             self.reached_at[i] += r;
             self.accepted_at_count[i] += a;
         }
+        if self.verified_len.len() < o.verified_len.len() {
+            self.verified_len.resize(o.verified_len.len(), 0);
+        }
+        for (x, y) in self.verified_len.iter_mut().zip(&o.verified_len) {
+            *x += y;
+        }
         self.prefill_s += o.prefill_s;
         self.decode_s += o.decode_s;
         self.draft_s += o.draft_s;
         self.verify_s += o.verify_s;
         self.plain_steps += o.plain_steps;
+    }
+
+    /// Verify steps by the number of drafts they verified, steps that verified none (plain
+    /// steps) at index 0: the scheduler's choices at a glance.
+    pub fn verify_lengths(&self) -> Vec<usize> {
+        let mut h = self.verified_len.clone();
+        if h.is_empty() {
+            h.push(0);
+        }
+        h[0] += self.plain_steps;
+        h
+    }
+
+    /// `verify_lengths` as one line, e.g. `0:12 1:3 2:40 3:7` (lengths never chosen left out).
+    pub fn verify_lengths_line(&self) -> String {
+        let parts: Vec<String> = self
+            .verify_lengths()
+            .iter()
+            .enumerate()
+            .filter(|(_, &n)| n > 0)
+            .map(|(k, n)| format!("{k}:{n}"))
+            .collect();
+        parts.join(" ")
     }
 
     /// The `--json` form: counts plus τ and per-position acceptance.
@@ -113,6 +149,7 @@ impl SpecStats {
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,
             "plain_steps": self.plain_steps,
+            "verify_lengths": self.verify_lengths(),
         })
     }
 }
@@ -135,5 +172,21 @@ mod tests {
         assert_eq!(s.reached_at, vec![4, 3, 2]);
         assert_eq!(s.accepted_at_count, vec![3, 2, 1]);
         assert_eq!(s.accept_at(), vec![0.75, 2.0 / 3.0, 0.5]);
+    }
+
+    #[test]
+    fn verify_lengths_count_rounds_by_drafts_verified_and_plain_steps_at_zero() {
+        let mut s = SpecStats::default();
+        s.record_round(3, 1, 0.0, 0.0);
+        s.record_round(1, 1, 0.0, 0.0);
+        s.record_round(3, 0, 0.0, 0.0);
+        s.plain_steps = 2;
+        assert_eq!(s.verify_lengths(), vec![2, 1, 0, 2]);
+        assert_eq!(s.verify_lengths_line(), "0:2 1:1 3:2");
+        let mut t = SpecStats::default();
+        t.record_round(5, 5, 0.0, 0.0);
+        t.merge(&s);
+        assert_eq!(t.verify_lengths(), vec![2, 1, 0, 2, 0, 1]);
+        assert_eq!(t.rounds, 4);
     }
 }

@@ -285,7 +285,10 @@ impl Trainer {
             distinct.len(),
             &Device::Cpu,
         )?;
-        let p = softmax(&fin.index_select(&idx, 0)?.matmul(&self.target_head.t()?)?)?;
+        let p = softmax(&dspark_drafter_models::nn::matmul_t_const(
+            &fin.index_select(&idx, 0)?,
+            &self.target_head,
+        )?)?;
         Ok(p.index_select(&pick, 0)?.detach())
     }
 

@@ -1,0 +1,336 @@
+//! Matrix products for training in bf16: f32 operands rounded to bf16 (nearest even), their
+//! products summed in f32 — the mixed precision drafter training runs (PyTorch's CPU autocast
+//! does the same; master weights, gradients' sums and the optimiser stay f32). One AVX-512-BF16
+//! `vdpbf16ps` does 32 multiply-adds, twice what an f32 FMA does, so the matmuls that are most of
+//! a training step run twice as fast where the CPU has it. Elsewhere [`available`] is false and
+//! callers keep their f32 products; [`matmul`] still answers there (portably, slowly).
+//!
+//! Unlike the inference kernels, nothing here promises a row's result independent of its batch:
+//! training has no such contract. A product is deterministic (each output is summed by one
+//! thread in one order whatever the thread count), so a resumed run repeats an uninterrupted one.
+
+use rayon::prelude::*;
+
+/// A logical `rows × cols` matrix, stored row-major, or `transposed`: its transpose stored
+/// row-major (`data[c · rows + r]`), which is how a backward pass meets its operands.
+#[derive(Clone, Copy, Debug)]
+pub struct Mat<'a> {
+    pub data: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
+    pub transposed: bool,
+}
+
+impl<'a> Mat<'a> {
+    pub fn new(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        Self { data, rows, cols, transposed: false }
+    }
+
+    /// The transpose of this matrix, without moving anything.
+    pub fn t(self) -> Self {
+        Self { data: self.data, rows: self.cols, cols: self.rows, transposed: !self.transposed }
+    }
+
+    #[inline]
+    fn at(&self, r: usize, c: usize) -> f32 {
+        if self.transposed {
+            self.data[c * self.rows + r]
+        } else {
+            self.data[r * self.cols + c]
+        }
+    }
+}
+
+/// Whether this CPU runs [`matmul`] with `vdpbf16ps` (AVX-512-BF16). `DSPARK_TRAIN_MATMUL=f32`
+/// answers false, for A/B runs against candle's f32 products.
+pub fn available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        if std::env::var("DSPARK_TRAIN_MATMUL").is_ok_and(|v| v == "f32") {
+            return false;
+        }
+        simd()
+    })
+}
+
+fn simd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        has!("avx512f") && has!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// `x` rounded to bf16, nearest even (the rounding `vcvtne2ps2bf16` does); NaN stays NaN.
+#[inline]
+pub fn to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if b & 0x7fff_ffff > 0x7f80_0000 {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// The f32 value of bf16 bits.
+#[inline]
+pub fn from_bf16(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+#[inline]
+fn pair(lo: f32, hi: f32) -> u32 {
+    to_bf16(lo) as u32 | (to_bf16(hi) as u32) << 16
+}
+
+/// Columns per packed tile of `B`: one 16-lane register of f32 outputs.
+const NT: usize = 16;
+/// Rows of `A` per micro-kernel call (8 rows × 2 tiles = 16 accumulator registers).
+const MR: usize = 8;
+/// bf16 pairs along k per cache block: a micro-kernel's two tiles of `B` are 32 KiB, and a
+/// task's `B` block stays in L2 while every row of `A` passes over it.
+const KC: usize = 256;
+/// Columns per task.
+const NC: usize = 128;
+
+/// `A`'s rows as bf16 pairs along k (element 2p in the low half): `kp` words per row.
+fn pack_a(a: Mat, kp: usize) -> Vec<u32> {
+    let k = a.cols;
+    let mut out = vec![0u32; a.rows * kp];
+    out.par_chunks_mut(kp.max(1)).enumerate().for_each(|(i, row)| {
+        for (p, w) in row.iter_mut().enumerate() {
+            let hi = if 2 * p + 1 < k { a.at(i, 2 * p + 1) } else { 0.0 };
+            *w = pair(a.at(i, 2 * p), hi);
+        }
+    });
+    out
+}
+
+/// `B` in tiles of 16 columns: per tile and pair p, 16 words (one per column) holding
+/// `B[2p][j]` and `B[2p+1][j]`; columns past `n` are zero.
+fn pack_b(b: Mat, kp: usize) -> Vec<u32> {
+    let (k, n) = (b.rows, b.cols);
+    let tiles = n.div_ceil(NT);
+    let mut out = vec![0u32; tiles * kp * NT];
+    out.par_chunks_mut((kp * NT).max(1)).enumerate().for_each(|(t, tile)| {
+        for p in 0..kp {
+            for l in 0..NT {
+                let j = t * NT + l;
+                if j < n {
+                    let hi = if 2 * p + 1 < k { b.at(2 * p + 1, j) } else { 0.0 };
+                    tile[p * NT + l] = pair(b.at(2 * p, j), hi);
+                }
+            }
+        }
+    });
+    out
+}
+
+struct OutPtr(*mut f32);
+// Tasks write disjoint blocks of the output.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// `C = A · B` (`m × k` times `k × n`, `C` row-major `m × n`) from bf16-rounded operands with
+/// f32 sums: with `vdpbf16ps` where [`available`] says so, else portably ([`reference`]).
+pub fn matmul(a: Mat, b: Mat) -> Vec<f32> {
+    assert_eq!(a.cols, b.rows, "inner dimensions");
+    if !simd() {
+        return reference(a, b);
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let (m, k, n) = (a.rows, a.cols, b.cols);
+        let kp = k.div_ceil(2);
+        let mut c = vec![0f32; m * n];
+        if m == 0 || n == 0 {
+            return c;
+        }
+        let (ap, bp) = rayon::join(|| pack_a(a, kp), || pack_b(b, kp));
+        let col_tasks = n.div_ceil(NC);
+        // At least 8 tasks so that two threads balance, rows split in multiples of MR.
+        let row_tasks = 8usize.div_ceil(col_tasks).min(m.div_ceil(MR));
+        let mc = m.div_ceil(row_tasks).div_ceil(MR) * MR;
+        let out = OutPtr(c.as_mut_ptr());
+        (0..col_tasks * m.div_ceil(mc)).into_par_iter().for_each(|task| {
+            let (j0, i0) = ((task % col_tasks) * NC, (task / col_tasks) * mc);
+            let (j1, i1) = ((j0 + NC).min(n), (i0 + mc).min(m));
+            let out = &out;
+            // SAFETY: `simd()` checked the instructions; the packed operands cover every row,
+            // pair and tile the block reads; the task writes only its own block of C.
+            unsafe { block(&ap, &bp, kp, n, i0..i1, j0..j1, out.0) };
+        });
+        c
+    }
+}
+
+/// One task's block of `C`: rows `rows`, columns `cols` (a multiple of 32 wide but the last).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn block(
+    ap: &[u32],
+    bp: &[u32],
+    kp: usize,
+    n: usize,
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    c: *mut f32,
+) {
+    for p0 in (0..kp).step_by(KC) {
+        let plen = KC.min(kp - p0);
+        for i in rows.clone().step_by(MR) {
+            let r = MR.min(rows.end - i);
+            for j in cols.clone().step_by(2 * NT) {
+                let w = (2 * NT).min(cols.end - j);
+                let a = ap.as_ptr().add(i * kp + p0);
+                let b = bp.as_ptr().add(((j / NT) * kp + p0) * NT);
+                let cp = c.add(i * n + j);
+                macro_rules! go {
+                    ($($r:literal)*) => {
+                        match (r, w > NT) {
+                            $(($r, true) => micro::<$r, 2>(a, kp, b, kp * NT, plen, cp, n, w, p0 > 0),
+                              ($r, false) => micro::<$r, 1>(a, kp, b, kp * NT, plen, cp, n, w, p0 > 0),)*
+                            _ => unreachable!("1 ≤ rows ≤ MR"),
+                        }
+                    };
+                }
+                go!(1 2 3 4 5 6 7 8);
+            }
+        }
+    }
+}
+
+/// `R` rows × `T` tiles of `C` over `plen` pairs: `R·T` accumulators, one `vdpbf16ps` per row,
+/// tile and pair, `A`'s pair broadcast from memory. `w` is the number of valid columns (the
+/// rest are masked); `load` adds to what `C` holds (later cache blocks of k).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn micro<const R: usize, const T: usize>(
+    a: *const u32,
+    lda: usize,
+    b: *const u32,
+    ldb: usize,
+    plen: usize,
+    c: *mut f32,
+    ldc: usize,
+    w: usize,
+    load: bool,
+) {
+    use std::arch::x86_64::*;
+    let mask = |t: usize| -> __mmask16 {
+        let v = w.saturating_sub(t * NT).min(NT);
+        ((1u32 << v) - 1) as __mmask16
+    };
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    if load {
+        for (r, row) in acc.iter_mut().enumerate() {
+            for (t, x) in row.iter_mut().enumerate() {
+                *x = _mm512_maskz_loadu_ps(mask(t), c.add(r * ldc + t * NT));
+            }
+        }
+    }
+    for p in 0..plen {
+        let mut bv = [_mm512_setzero_si512(); T];
+        for (t, v) in bv.iter_mut().enumerate() {
+            *v = _mm512_loadu_si512(b.add(t * ldb + p * NT) as *const _);
+        }
+        for (r, row) in acc.iter_mut().enumerate() {
+            let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(r * lda + p) as i32));
+            for (t, x) in row.iter_mut().enumerate() {
+                *x = _mm512_dpbf16_ps(*x, av, std::mem::transmute::<__m512i, __m512bh>(bv[t]));
+            }
+        }
+    }
+    for (r, row) in acc.iter().enumerate() {
+        for (t, x) in row.iter().enumerate() {
+            _mm512_mask_storeu_ps(c.add(r * ldc + t * NT), mask(t), *x);
+        }
+    }
+}
+
+/// The portable definition: `C[i][j] = Σ_r bf16(A[i][r]) · bf16(B[r][j])`, each product and
+/// sum in f32, pairs along k in order. The SIMD path sums in the same pairs but in its own
+/// association (and flushes subnormals), so the two agree to f32 rounding, not bit for bit.
+pub fn reference(a: Mat, b: Mat) -> Vec<f32> {
+    assert_eq!(a.cols, b.rows, "inner dimensions");
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    let mut c = vec![0f32; m * n];
+    c.par_chunks_mut(n.max(1)).enumerate().for_each(|(i, row)| {
+        for (j, y) in row.iter_mut().enumerate() {
+            let mut s = 0f32;
+            for r in 0..k {
+                s += from_bf16(to_bf16(a.at(i, r))) * from_bf16(to_bf16(b.at(r, j)));
+            }
+            *y = s;
+        }
+    });
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn random(n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    #[test]
+    fn rounding_is_nearest_even_and_keeps_nan() {
+        // 1 + 2⁻⁸ lies halfway between two bf16 values: the even one (1.0) wins.
+        assert_eq!(from_bf16(to_bf16(1.0 + 1.0 / 256.0)), 1.0);
+        // 1 + 3·2⁻⁸ lies halfway: the even neighbour is 1 + 2⁻⁶.
+        assert_eq!(from_bf16(to_bf16(1.0 + 3.0 / 256.0)), 1.0 + 1.0 / 64.0);
+        assert_eq!(from_bf16(to_bf16(-2.5)), -2.5);
+        assert!(from_bf16(to_bf16(f32::NAN)).is_nan());
+        assert_eq!(from_bf16(to_bf16(f32::INFINITY)), f32::INFINITY);
+        // The largest finite f32 rounds up to infinity, as the hardware does.
+        assert_eq!(from_bf16(to_bf16(f32::MAX)), f32::INFINITY);
+    }
+
+    /// Every layout the backward pass uses, with edges: odd k, n not a multiple of a tile or of
+    /// two, m not a multiple of the row block, and k over one cache block.
+    #[test]
+    fn products_match_the_portable_definition_in_every_layout() {
+        if !simd() {
+            eprintln!("skipped: this CPU has no AVX-512-BF16 (the portable path is the definition)");
+            return;
+        }
+        for &(m, k, n) in &[(1, 1, 1), (9, 7, 17), (8, 64, 32), (13, 515, 47), (37, 1030, 100), (64, 33, 200)]
+        {
+            for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+                let (da, db) = (random(m * k, 1 + m as u64), random(k * n, 2 + n as u64));
+                let a = if ta { Mat::new(&da, k, m).t() } else { Mat::new(&da, m, k) };
+                let b = if tb { Mat::new(&db, n, k).t() } else { Mat::new(&db, k, n) };
+                let (got, want) = (matmul(a, b), reference(a, b));
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    // Sums of k terms below 1 in magnitude: association changes at most a few
+                    // ulps of the partial sums.
+                    assert!(
+                        (g - w).abs() <= 1e-5 * (k as f32).sqrt().max(1.0) * 4.0,
+                        "m {m} k {k} n {n} transposed ({ta}, {tb}) element {i}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_products_are_within_bf16_rounding_of_f32_products() {
+        let (m, k, n) = (5, 300, 7);
+        let (da, db) = (random(m * k, 3), random(k * n, 4));
+        let got = matmul(Mat::new(&da, m, k), Mat::new(&db, k, n));
+        for i in 0..m {
+            for j in 0..n {
+                let exact: f64 = (0..k).map(|r| da[i * k + r] as f64 * db[r * n + j] as f64).sum();
+                // Each operand is off by at most 2⁻⁹ relative; |terms| < 1, random signs.
+                let bound = 2.0 * 2f64.powi(-9) * (k as f64).sqrt() * 3.0;
+                assert!((got[i * n + j] as f64 - exact).abs() < bound, "({i}, {j})");
+            }
+        }
+    }
+}
