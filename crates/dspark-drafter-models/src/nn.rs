@@ -99,12 +99,17 @@ pub fn matmul_t_const(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 
 /// `op(a) · op(b)` of 2-D f32 tensors with bf16 products, `op` transposing where asked.
 fn product(a: &Tensor, ta: bool, b: &Tensor, tb: bool) -> Result<Tensor> {
+    let (c, shape) = product_vec(a, ta, b, tb)?;
+    Tensor::from_vec(c, shape, &Device::Cpu)
+}
+
+/// [`product`] as plain values and their shape.
+fn product_vec(a: &Tensor, ta: bool, b: &Tensor, tb: bool) -> Result<(Vec<f32>, candle_core::Shape)> {
     with_mat(a, |am| {
         with_mat(b, |bm| {
             let (am, bm) = (if ta { am.t() } else { am }, if tb { bm.t() } else { bm });
-            let c = dspark_kernels::bf16::matmul(am, bm);
-            Tensor::from_vec(c, (am.rows, bm.cols), &Device::Cpu)
-        })?
+            (dspark_kernels::bf16::matmul(am, bm), (am.rows, bm.cols).into())
+        })
     })?
 }
 

@@ -57,7 +57,7 @@ fn simd() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::is_x86_feature_detected as has;
-        has!("avx512f") && has!("avx512bf16")
+        has!("avx512f") && has!("avx512bw") && has!("avx512bf16")
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
@@ -96,15 +96,50 @@ const NC: usize = 128;
 
 /// `A`'s rows as bf16 pairs along k (element 2p in the low half): `kp` words per row.
 fn pack_a(a: Mat, kp: usize) -> Vec<u32> {
+    let (m, k) = (a.rows, a.cols);
+    let mut out = vec![0u32; m * kp];
+    #[cfg(target_arch = "x86_64")]
+    if simd() {
+        if a.transposed {
+            // Row i's pair p is (data[2p·m + i], data[(2p+1)·m + i]): 16 rows at a time from
+            // two contiguous runs, written down a column of the packed rows.
+            let out_ptr = OutPtr(out.as_mut_ptr() as *mut f32);
+            (0..m.div_ceil(NT)).into_par_iter().for_each(|blk| {
+                let (i0, out) = (blk * NT, &out_ptr);
+                let lanes = NT.min(m - i0);
+                let mut pairs = [0u32; NT];
+                for p in 0..kp {
+                    let lo = &a.data[2 * p * m + i0..][..lanes];
+                    let hi =
+                        if 2 * p + 1 < k { Some(&a.data[(2 * p + 1) * m + i0..][..lanes]) } else { None };
+                    // SAFETY: AVX-512-BF16 was detected (`simd`).
+                    unsafe { x86::interleave(lo, hi, &mut pairs) };
+                    for (l, &w) in pairs[..lanes].iter().enumerate() {
+                        // SAFETY: rows i0..i0+lanes are this task's; p < kp.
+                        unsafe { *(out.0 as *mut u32).add((i0 + l) * kp + p) = w };
+                    }
+                }
+            });
+        } else {
+            out.par_chunks_mut(kp.max(1)).enumerate().for_each(|(i, row)| {
+                // SAFETY: AVX-512-BF16 was detected (`simd`).
+                unsafe { x86::convert(&a.data[i * k..(i + 1) * k], row) }
+            });
+        }
+        return out;
+    }
+    pack_a_portable(a, kp, &mut out);
+    out
+}
+
+fn pack_a_portable(a: Mat, kp: usize, out: &mut [u32]) {
     let k = a.cols;
-    let mut out = vec![0u32; a.rows * kp];
     out.par_chunks_mut(kp.max(1)).enumerate().for_each(|(i, row)| {
         for (p, w) in row.iter_mut().enumerate() {
             let hi = if 2 * p + 1 < k { a.at(i, 2 * p + 1) } else { 0.0 };
             *w = pair(a.at(i, 2 * p), hi);
         }
     });
-    out
 }
 
 /// `B` in tiles of 16 columns: per tile and pair p, 16 words (one per column) holding
@@ -113,6 +148,40 @@ fn pack_b(b: Mat, kp: usize) -> Vec<u32> {
     let (k, n) = (b.rows, b.cols);
     let tiles = n.div_ceil(NT);
     let mut out = vec![0u32; tiles * kp * NT];
+    #[cfg(target_arch = "x86_64")]
+    if simd() {
+        out.par_chunks_mut((kp * NT).max(1)).enumerate().for_each(|(t, tile)| {
+            let j0 = t * NT;
+            let lanes = NT.min(n - j0);
+            if b.transposed {
+                // Column j's pairs are a contiguous run of storage row j.
+                let mut row = vec![0u32; kp];
+                for l in 0..lanes {
+                    // SAFETY: AVX-512-BF16 was detected (`simd`).
+                    unsafe { x86::convert(&b.data[(j0 + l) * k..(j0 + l + 1) * k], &mut row) };
+                    for (p, &w) in row.iter().enumerate() {
+                        tile[p * NT + l] = w;
+                    }
+                }
+            } else {
+                for p in 0..kp {
+                    let lo = &b.data[2 * p * n + j0..][..lanes];
+                    let hi =
+                        if 2 * p + 1 < k { Some(&b.data[(2 * p + 1) * n + j0..][..lanes]) } else { None };
+                    let dst: &mut [u32; NT] = (&mut tile[p * NT..(p + 1) * NT]).try_into().expect("16 words");
+                    // SAFETY: AVX-512-BF16 was detected (`simd`).
+                    unsafe { x86::interleave(lo, hi, dst) };
+                }
+            }
+        });
+        return out;
+    }
+    pack_b_portable(b, kp, &mut out);
+    out
+}
+
+fn pack_b_portable(b: Mat, kp: usize, out: &mut [u32]) {
+    let (k, n) = (b.rows, b.cols);
     out.par_chunks_mut((kp * NT).max(1)).enumerate().for_each(|(t, tile)| {
         for p in 0..kp {
             for l in 0..NT {
@@ -124,7 +193,55 @@ fn pack_b(b: Mat, kp: usize) -> Vec<u32> {
             }
         }
     });
-    out
+}
+
+/// Conversions with `vcvtne2ps2bf16` (nearest even, as [`to_bf16`], but subnormals flushed).
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// A contiguous run of values as bf16 pairs: `out[p]` holds `x[2p]` (low) and `x[2p+1]`;
+    /// a missing last value is zero.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn convert(x: &[f32], out: &mut [u32]) {
+        debug_assert_eq!(out.len(), x.len().div_ceil(2));
+        let mut i = 0;
+        while i < x.len() {
+            let left = x.len() - i;
+            let (m0, m1) = (mask(left), mask(left.saturating_sub(16)));
+            let lo = _mm512_maskz_loadu_ps(m0, x.as_ptr().add(i));
+            let hi = _mm512_maskz_loadu_ps(m1, x.as_ptr().add(i + 16));
+            let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_mask_storeu_epi32(out.as_mut_ptr().add(i / 2) as *mut _, mask(left.div_ceil(2)), v);
+            i += 32;
+        }
+    }
+
+    /// Up to 16 lanes of pairs `(lo[l], hi[l])` (`hi` absent: zeros) into `out[l]`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn interleave(lo: &[f32], hi: Option<&[f32]>, out: &mut [u32; 16]) {
+        let m = mask(lo.len());
+        let l = _mm512_maskz_loadu_ps(m, lo.as_ptr());
+        let h = match hi {
+            Some(h) => _mm512_maskz_loadu_ps(m, h.as_ptr()),
+            None => _mm512_setzero_ps(),
+        };
+        // Words 0–15 are lo's, 16–31 hi's; pick them alternately.
+        let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(h, l));
+        let idx = _mm512_set_epi16(
+            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
+            18, 2, 17, 1, 16, 0,
+        );
+        _mm512_storeu_si512(out.as_mut_ptr() as *mut _, _mm512_permutexvar_epi16(idx, v));
+    }
+
+    fn mask(n: usize) -> __mmask16 {
+        if n >= 16 {
+            0xffff
+        } else {
+            ((1u32 << n) - 1) as __mmask16
+        }
+    }
 }
 
 struct OutPtr(*mut f32);
@@ -167,7 +284,7 @@ pub fn matmul(a: Mat, b: Mat) -> Vec<f32> {
 
 /// One task's block of `C`: rows `rows`, columns `cols` (a multiple of 32 wide but the last).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn block(
     ap: &[u32],
     bp: &[u32],
@@ -205,7 +322,7 @@ unsafe fn block(
 /// tile and pair, `A`'s pair broadcast from memory. `w` is the number of valid columns (the
 /// rest are masked); `load` adds to what `C` holds (later cache blocks of k).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn micro<const R: usize, const T: usize>(
     a: *const u32,
@@ -315,6 +432,27 @@ mod tests {
                         "m {m} k {k} n {n} transposed ({ta}, {tb}) element {i}: {g} vs {w}"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn simd_packing_is_the_portable_packing() {
+        if !simd() {
+            eprintln!("skipped: this CPU has no AVX-512-BF16");
+            return;
+        }
+        for &(r, c) in &[(1, 1), (3, 5), (16, 32), (17, 33), (40, 70)] {
+            let d = random(r * c, 7 + r as u64);
+            for m in [Mat::new(&d, r, c), Mat::new(&d, c, r).t()] {
+                let kp = m.cols.div_ceil(2);
+                let mut want = vec![0u32; m.rows * kp];
+                pack_a_portable(m, kp, &mut want);
+                assert_eq!(pack_a(m, kp), want, "A {r}×{c} transposed {}", m.transposed);
+                let kp = m.rows.div_ceil(2);
+                let mut want = vec![0u32; m.cols.div_ceil(NT) * kp * NT];
+                pack_b_portable(m, kp, &mut want);
+                assert_eq!(pack_b(m, kp), want, "B {r}×{c} transposed {}", m.transposed);
             }
         }
     }
