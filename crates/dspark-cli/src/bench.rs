@@ -15,7 +15,7 @@ pub enum BenchCmd {
     /// concurrency level: per-user and aggregate tokens/s, mean verify budget, and a plot of one
     /// against the other.
     Serve(crate::serve_bench::ServeBenchArgs),
-    /// Time one forward of k new tokens over a cache (logits at all k rows) for k = 1…32: the
+    /// Time one forward of k new tokens over a cache (logits at all k rows) for k = 1…64: the
     /// cost table a verification scheduler needs.
     Forward {
         #[command(flatten)]
