@@ -145,7 +145,7 @@ pub struct InitOpts {
     method: String,
     /// Draft decoder layers (EAGLE-3 always has one). One keeps drafting cheap on CPUs.
     #[arg(long, default_value_t = 1)]
-    layers: usize,
+    pub(crate) layers: usize,
     /// Width of each draft layer's MLP (default: the target's). Narrower makes a smaller,
     /// faster drafter; say 4096 for Qwen2.5-Coder-1.5B to keep its checkpoint under 80 MB in bf16.
     #[arg(long)]

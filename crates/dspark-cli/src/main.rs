@@ -252,12 +252,30 @@ struct InitDrafterArgs {
     target: String,
     #[command(flatten)]
     opts: InitOpts,
+    /// Instead of random weights: this trained DFlash/DSpark drafter deepened to --layers draft
+    /// layers. The new layers are copies of its last one with zeroed output projections, so the
+    /// result drafts exactly what it does; train it with `dspark train --init OUT`.
+    #[arg(long)]
+    grow: Option<PathBuf>,
     /// Output folder.
     #[arg(long)]
     out: PathBuf,
 }
 
 fn run_init_drafter(a: InitDrafterArgs) -> Result<()> {
+    if a.out.join("config.json").exists() {
+        bail!("{} already holds a checkpoint; choose an empty --out folder", a.out.display());
+    }
+    if let Some(src) = &a.grow {
+        dspark_drafter_models::grow(src, a.opts.layers, &a.out)?;
+        eprintln!(
+            "wrote {} deepened to {} draft layers to {}",
+            src.display(),
+            a.opts.layers,
+            a.out.display()
+        );
+        return Ok(());
+    }
     let target_arg = ModelArg { model: a.target.clone() };
     let target = Arc::new(target_arg.load()?);
     init_drafter(target, &target_arg.name(), &a.opts, &a.out)

@@ -118,6 +118,43 @@ pub(crate) fn write_checkpoint(dir: &Path, config: &str, tensors: &BTreeMap<Stri
     Ok(())
 }
 
+/// Writes a deeper copy of the DFlash/DSpark drafter in `src` to `dst`: its draft layers kept and
+/// new ones appended up to `layers`, each a copy of its last layer whose output projections
+/// (`o_proj`, `down_proj`) are zero. A zero residual branch adds exactly nothing, so the deeper
+/// drafter drafts what `src` drafts, and training continues from that function with more
+/// capacity (the paper's drafters have 2–5 layers).
+pub fn grow(src: &Path, layers: usize, dst: &Path) -> Result<()> {
+    let mut config = read_config(src)?;
+    if config.ext().method == Method::Eagle3 {
+        return Err(NetworkError::Config(
+            "an EAGLE-3 drafter has one layer by design; deepen a DFlash or DSpark drafter".into(),
+        ));
+    }
+    let old = config.num_hidden_layers;
+    if layers <= old {
+        return Err(NetworkError::Config(format!(
+            "{} has {old} draft layer(s) already; ask for more",
+            src.display()
+        )));
+    }
+    let mut map = Store::load_dir(src)?.map().clone();
+    let prefix = format!("layers.{}.", old - 1);
+    let last: Vec<(String, Tensor)> =
+        map.iter().filter_map(|(k, t)| k.strip_prefix(&prefix).map(|s| (s.to_string(), t.clone()))).collect();
+    if last.is_empty() {
+        return Err(NetworkError::Checkpoint(format!("{} has no tensors `{prefix}*`", src.display())));
+    }
+    for l in old..layers {
+        for (suffix, t) in &last {
+            let zero = suffix.starts_with("self_attn.o_proj.") || suffix.starts_with("mlp.down_proj.");
+            map.insert(format!("layers.{l}.{suffix}"), if zero { t.zeros_like()? } else { t.clone() });
+        }
+    }
+    config.num_hidden_layers = layers;
+    config.validate()?;
+    write_checkpoint(dst, &serde_json::to_string_pretty(&config).expect("config serialises"), &map)
+}
+
 /// Writes checkpoint folder `src` (ours) to `dst` with its large matrices in 8 bits
 /// ([`Store::save_q8`]: what ships in the repository, under its size limit); every other file
 /// of the folder (config, calibration, training log, plots) is copied as it is. Returns the

@@ -254,3 +254,48 @@ fn a_kill_during_a_save_resumes_from_one_whole_checkpoint() {
         .to_string();
     assert!(err.contains("mixes two checkpoints"), "{err}");
 }
+
+/// A drafter deepened by `grow` drafts exactly what it did: the new layers' residual branches
+/// start at zero. Refusals: no deeper than it is, and never EAGLE-3.
+#[test]
+fn a_grown_drafter_computes_what_it_grew_from() {
+    let tdir = tempfile::tempdir().unwrap();
+    let t = target(tdir.path());
+    let s = &samples()[0];
+    let tokens = &s.tokens[..30];
+    let mut cache = t.new_cache(30);
+    let seq =
+        dspark_model::SeqInput { cache: &mut cache, tokens, logit_rows: vec![], tap_rows: (0..30).collect() };
+    let out = t
+        .forward(&mut [seq], &dspark_model::TapSpec { layers: vec![0, 1], final_norm: false })
+        .unwrap()
+        .remove(0);
+    let feats = dspark_drafter_models::common::stack_taps(&out.taps, 30, 64, 2).unwrap();
+    for (name, o) in cases().into_iter().take(3) {
+        let dir = tempfile::tempdir().unwrap();
+        let (small, big) = (dir.path().join("one"), dir.path().join("three"));
+        dspark_drafter_models::init(t.clone(), "tiny", &o).unwrap().save(&small).unwrap();
+        dspark_drafter_models::grow(&small, 3, &big).unwrap();
+        let hidden = |d: &Path| {
+            let DrafterNet::Block(m) = dspark_drafter_models::load(d, t.clone(), "tiny").unwrap() else {
+                panic!("{name}: a block drafter")
+            };
+            assert_eq!(m.config.num_hidden_layers, if d == small { 1 } else { 3 }, "{name}");
+            m.train_hidden(&feats, tokens, &[7, 12, 20])
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        assert_eq!(hidden(&small), hidden(&big), "{name}: the grown drafter computes something else");
+        let again = dir.path().join("again");
+        let err = dspark_drafter_models::grow(&big, 3, &again).unwrap_err().to_string();
+        assert!(err.contains("already"), "{err}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (_, eagle) = cases().pop().unwrap();
+    dspark_drafter_models::init(t.clone(), "tiny", &eagle).unwrap().save(dir.path()).unwrap();
+    let err = dspark_drafter_models::grow(dir.path(), 2, &dir.path().join("g")).unwrap_err().to_string();
+    assert!(err.contains("EAGLE-3"), "{err}");
+}
