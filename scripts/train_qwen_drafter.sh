@@ -2,7 +2,9 @@
 # The Qwen2.5-Coder-1.5B drafter (docs/TRAINING.md), stage by stage and resumable: run it again
 # after an interruption, or in the next session, and every stage continues where it stopped
 # (answers and features already on disk are kept; training resumes from its last checkpoint).
-# Usage: scripts/train_qwen_drafter.sh [SAMPLES] [STEPS] [METHOD]   METHOD: dspark-markov | dflash
+# Usage: scripts/train_qwen_drafter.sh [SAMPLES] [STEPS] [METHOD]
+#   METHOD: dspark-markov | dflash | dspark-markov-2l (two draft layers, started from the
+#   one-layer run's last checkpoint deepened by `init-drafter --grow`)
 # SAMPLES counts code prompts tried; prompts too long for the 512-token window are skipped.
 # Work files and runs go to $DSPARK_HOME/train (default ~/.cache/dspark/train).
 set -euo pipefail
@@ -30,9 +32,15 @@ $D data features -m $T --data "$W/qwen-code-regen.jsonl" --out "$W/qwen-features
 case $METHOD in
   dspark-markov) args=(--method dspark --head markov) ;;
   dflash) args=(--method dflash) ;;
-  *) echo "METHOD must be dspark-markov or dflash" >&2; exit 2 ;;
+  dspark-markov-2l) args=(--method dspark --head markov) ;;
+  *) echo "METHOD must be dspark-markov, dflash or dspark-markov-2l" >&2; exit 2 ;;
 esac
 out="$W/qwen-run-$METHOD"
+if [ "$METHOD" = dspark-markov-2l ] && [ ! -d "$out/checkpoints" ]; then
+  src=$(ls -d "$W"/qwen-run-dspark-markov/checkpoints/step-* | tail -1)
+  [ -d "$out/init" ] || $D init-drafter --grow "$src" --layers 2 --out "$out/init"
+  args+=(--init "$out/init")
+fi
 common=(--target $T --data "$W/qwen-code-regen.jsonl" --features "$W/qwen-features"
         --block 7 --layers 1 --intermediate 4096 --draft-vocab 8192 --vocab-from "$W/qwen-code-regen.jsonl"
         --markov-rank 32 --max-len 512 --batch 4 --anchors 64 --steps "$STEPS" --checkpoint-every 50)
