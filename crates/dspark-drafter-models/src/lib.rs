@@ -125,10 +125,22 @@ pub(crate) fn write_checkpoint(dir: &Path, config: &str, tensors: &BTreeMap<Stri
 /// capacity (the paper's drafters have 2–5 layers).
 pub fn grow(src: &Path, layers: usize, dst: &Path) -> Result<()> {
     let mut config = read_config(src)?;
+    if config.format != Format::Dspark {
+        return Err(NetworkError::Config(format!(
+            "{} is in a public layout; deepen a drafter this project trained",
+            src.display()
+        )));
+    }
     if config.ext().method == Method::Eagle3 {
         return Err(NetworkError::Config(
             "an EAGLE-3 drafter has one layer by design; deepen a DFlash or DSpark drafter".into(),
         ));
+    }
+    if dst.join("config.json").exists() {
+        return Err(NetworkError::Checkpoint(format!(
+            "{} already holds a checkpoint; choose an empty folder",
+            dst.display()
+        )));
     }
     let old = config.num_hidden_layers;
     if layers <= old {

@@ -57,20 +57,21 @@ impl Linear {
 /// twice candle's f32 rate; with nothing to differentiate (drafting) the product stays f32.
 pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (tx, tw) = (x.track_op(), w.track_op());
-    let f32_2d = x.rank() == 2 && w.rank() == 2 && x.dtype() == DType::F32 && w.dtype() == DType::F32;
+    let f32_2d = cpu_f32_2d(x, w);
     let bf16 = f32_2d && dspark_kernels::bf16::available();
     if !(tx || tw) || !f32_2d || (tx && tw && !bf16) {
         return x.matmul(&w.t()?);
     }
     let (x, w) = (x.clone(), w.clone());
-    let y = if bf16 {
-        product(&x.detach(), false, &w.detach(), true)?
+    let (value, shape) = if bf16 {
+        product_vec(&x.detach(), false, &w.detach(), true)?
     } else {
-        x.detach().matmul(&w.detach().t()?)?
+        let y = x.detach().matmul(&w.detach().t()?)?;
+        (y.flatten_all()?.to_vec1::<f32>()?, y.shape().clone())
     };
     let op = Precomputed {
-        value: std::sync::Mutex::new(Some(y.flatten_all()?.to_vec1::<f32>()?)),
-        shape: y.shape().clone(),
+        value: std::sync::Mutex::new(Some(value)),
+        shape,
         grad: match (tx, tw) {
             (true, true) => GradRule::Both,
             (true, false) => GradRule::ConstW(w.detach()),
@@ -89,12 +90,21 @@ pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// elsewhere: training's label computations (the target's distribution over the draft
 /// vocabulary), which a frozen quantized target only approximates to begin with.
 pub fn matmul_t_const(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let f32_2d = x.rank() == 2 && w.rank() == 2 && x.dtype() == DType::F32 && w.dtype() == DType::F32;
-    if f32_2d && dspark_kernels::bf16::available() {
+    if cpu_f32_2d(x, w) && dspark_kernels::bf16::available() {
         product(&x.detach(), false, &w.detach(), true)
     } else {
         x.detach().matmul(&w.detach().t()?)
     }
+}
+
+/// Both operands 2-D f32 tensors on the CPU: what the precomputed products handle.
+fn cpu_f32_2d(x: &Tensor, w: &Tensor) -> bool {
+    x.rank() == 2
+        && w.rank() == 2
+        && x.dtype() == DType::F32
+        && w.dtype() == DType::F32
+        && x.device().is_cpu()
+        && w.device().is_cpu()
 }
 
 /// `op(a) · op(b)` of 2-D f32 tensors with bf16 products, `op` transposing where asked.

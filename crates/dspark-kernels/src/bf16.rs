@@ -204,13 +204,16 @@ mod x86 {
     /// a missing last value is zero.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub unsafe fn convert(x: &[f32], out: &mut [u32]) {
-        debug_assert_eq!(out.len(), x.len().div_ceil(2));
+        assert_eq!(out.len(), x.len().div_ceil(2), "one word per pair");
         let mut i = 0;
         while i < x.len() {
             let left = x.len() - i;
-            let (m0, m1) = (mask(left), mask(left.saturating_sub(16)));
-            let lo = _mm512_maskz_loadu_ps(m0, x.as_ptr().add(i));
-            let hi = _mm512_maskz_loadu_ps(m1, x.as_ptr().add(i + 16));
+            let lo = _mm512_maskz_loadu_ps(mask(left), x.as_ptr().add(i));
+            let hi = if left > 16 {
+                _mm512_maskz_loadu_ps(mask(left - 16), x.as_ptr().add(i + 16))
+            } else {
+                _mm512_setzero_ps()
+            };
             let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
             _mm512_mask_storeu_epi32(out.as_mut_ptr().add(i / 2) as *mut _, mask(left.div_ceil(2)), v);
             i += 32;
@@ -253,11 +256,13 @@ unsafe impl Sync for OutPtr {}
 /// f32 sums: with `vdpbf16ps` where [`available`] says so, else portably ([`reference`]).
 pub fn matmul(a: Mat, b: Mat) -> Vec<f32> {
     assert_eq!(a.cols, b.rows, "inner dimensions");
-    if !simd() {
-        return reference(a, b);
-    }
+    #[cfg(not(target_arch = "x86_64"))]
+    return reference(a, b);
     #[cfg(target_arch = "x86_64")]
     {
+        if !simd() {
+            return reference(a, b);
+        }
         let (m, k, n) = (a.rows, a.cols, b.cols);
         let kp = k.div_ceil(2);
         let mut c = vec![0f32; m * n];
