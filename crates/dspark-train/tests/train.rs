@@ -87,22 +87,33 @@ fn every_trainable_tensor_receives_a_gradient() {
     }
 }
 
+/// The first 30 tokens of sample 0, the target's forward over them (taps of layers 0 and 1) and
+/// those taps stacked as a drafter's context features.
+fn first_30_tokens(t: &Model) -> (Vec<u32>, dspark_model::SeqOutput, Tensor) {
+    let tokens = samples()[0].tokens[..30].to_vec();
+    let mut cache = t.new_cache(30);
+    let seq = dspark_model::SeqInput {
+        cache: &mut cache,
+        tokens: &tokens,
+        logit_rows: vec![],
+        tap_rows: (0..30).collect(),
+    };
+    let out = t
+        .forward(&mut [seq], &dspark_model::TapSpec { layers: vec![0, 1], final_norm: false })
+        .unwrap()
+        .remove(0);
+    let feats = dspark_drafter_models::common::stack_taps(&out.taps, 30, 64, 2).unwrap();
+    (tokens, out, feats)
+}
+
 #[test]
 fn the_training_forward_is_the_drafting_forward() {
     let tdir = tempfile::tempdir().unwrap();
     let t = target(tdir.path());
     let o = opts(Method::Dspark, HeadKind::Markov, None);
     let DrafterNet::Block(m) = dspark_drafter_models::init(t.clone(), "tiny", &o).unwrap() else { panic!() };
-    let s = &samples()[0];
-    let tokens = &s.tokens[..30];
-    let mut cache = t.new_cache(30);
-    let seq =
-        dspark_model::SeqInput { cache: &mut cache, tokens, logit_rows: vec![], tap_rows: (0..30).collect() };
-    let out = t
-        .forward(&mut [seq], &dspark_model::TapSpec { layers: vec![0, 1], final_norm: false })
-        .unwrap()
-        .remove(0);
-    let feats = dspark_drafter_models::common::stack_taps(&out.taps, 30, 64, 2).unwrap();
+    let (tokens, out, feats) = first_30_tokens(&t);
+    let tokens = &tokens[..];
     let anchors = [7usize, 12, 20];
     let trained = m.train_hidden(&feats, tokens, &anchors).unwrap();
     for (a, &p) in anchors.iter().enumerate() {
@@ -261,16 +272,8 @@ fn a_kill_during_a_save_resumes_from_one_whole_checkpoint() {
 fn a_grown_drafter_computes_what_it_grew_from() {
     let tdir = tempfile::tempdir().unwrap();
     let t = target(tdir.path());
-    let s = &samples()[0];
-    let tokens = &s.tokens[..30];
-    let mut cache = t.new_cache(30);
-    let seq =
-        dspark_model::SeqInput { cache: &mut cache, tokens, logit_rows: vec![], tap_rows: (0..30).collect() };
-    let out = t
-        .forward(&mut [seq], &dspark_model::TapSpec { layers: vec![0, 1], final_norm: false })
-        .unwrap()
-        .remove(0);
-    let feats = dspark_drafter_models::common::stack_taps(&out.taps, 30, 64, 2).unwrap();
+    let (tokens, _, feats) = first_30_tokens(&t);
+    let tokens = &tokens[..];
     for (name, o) in cases().into_iter().take(3) {
         let dir = tempfile::tempdir().unwrap();
         let (small, big) = (dir.path().join("one"), dir.path().join("three"));
