@@ -116,6 +116,18 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Median seconds of `reps` runs of `f` (at least one) after one untimed warm-up run.
+fn median_time(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let mut v = Vec::with_capacity(reps.max(1));
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        f()?;
+        v.push(t.elapsed().as_secs_f64());
+    }
+    Ok(median(v))
+}
+
 fn forward(m: &ModelArg, context: usize, reps: usize, json: bool, prefill: usize) -> Result<()> {
     let model = m.load()?;
     let ks = [1usize, 2, 4, 8, 16, 32, 64];
@@ -390,16 +402,7 @@ fn kernels(reps: usize, training_only: bool) -> Result<()> {
             let theirs = QLinear::from_qtensor(q, KernelChoice::Candle)?;
             for &b in &[1usize, 4, 16] {
                 let x = Tensor::randn(0f32, 1.0, (b, k), &Device::Cpu)?;
-                let time = |l: &QLinear| -> Result<f64> {
-                    l.forward(&x)?;
-                    let mut v = Vec::new();
-                    for _ in 0..reps {
-                        let t = Instant::now();
-                        l.forward(&x)?;
-                        v.push(t.elapsed().as_secs_f64());
-                    }
-                    Ok(median(v))
-                };
+                let time = |l: &QLinear| median_time(reps, || l.forward(&x).map(|_| ()).map_err(Into::into));
                 let flops = 2.0 * (k * n * b) as f64;
                 let (tc, to) = (time(&theirs)?, time(&ours)?);
                 println!(
@@ -439,16 +442,7 @@ fn training_matmuls(reps: usize) -> Result<()> {
         w.flatten_all()?.to_vec1::<f32>()?,
         g.flatten_all()?.to_vec1::<f32>()?,
     );
-    let time = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
-        f()?;
-        let mut v = Vec::new();
-        for _ in 0..reps.clamp(1, 5) {
-            let t = Instant::now();
-            f()?;
-            v.push(t.elapsed().as_secs_f64());
-        }
-        Ok(median(v))
-    };
+    let time = |f: &dyn Fn() -> Result<()>| median_time(reps.min(5), f);
     type Run<'a> = Box<dyn Fn() -> Result<()> + 'a>;
     type Case<'a> = (&'static str, [usize; 3], Run<'a>, Run<'a>);
     let cases: [Case; 3] = [

@@ -62,7 +62,6 @@ pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if !(tx || tw) || !f32_2d || (tx && tw && !bf16) {
         return x.matmul(&w.t()?);
     }
-    let (x, w) = (x.clone(), w.clone());
     let (value, shape) = if bf16 {
         product_vec(&x.detach(), false, &w.detach(), true)?
     } else {
@@ -80,7 +79,7 @@ pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         bf16,
     };
     match (tx, tw) {
-        (true, true) => x.apply_op2(&w, op),
+        (true, true) => x.apply_op2(w, op),
         (true, false) => x.apply_op1(op),
         _ => w.apply_op1(op),
     }
