@@ -4,7 +4,10 @@
 # (answers and features already on disk are kept; training resumes from its last checkpoint).
 # Usage: scripts/train_qwen_drafter.sh [SAMPLES] [STEPS] [METHOD]
 #   METHOD: dspark-markov | dflash | dspark-markov-2l (two draft layers, started from the
-#   one-layer run's last checkpoint deepened by `init-drafter --grow`)
+#   one-layer run's last checkpoint deepened by `init-drafter --grow`) | continue (trains on
+#   from the shipped drafter in drafters/: what a new machine, which keeps nothing but the
+#   repository, starts from; LR defaults to 3e-4 for it)
+# LR: peak learning rate (default 6e-4).
 # SAMPLES counts code prompts tried; prompts too long for the 512-token window are skipped.
 # Work files and runs go to $DSPARK_HOME/train (default ~/.cache/dspark/train).
 set -euo pipefail
@@ -33,17 +36,24 @@ case $METHOD in
   dspark-markov) args=(--method dspark --head markov) ;;
   dflash) args=(--method dflash) ;;
   dspark-markov-2l) args=(--method dspark --head markov) ;;
-  *) echo "METHOD must be dspark-markov, dflash or dspark-markov-2l" >&2; exit 2 ;;
+  continue) args=(--method dspark --head markov) ;;
+  *) echo "METHOD must be dspark-markov, dflash, dspark-markov-2l or continue" >&2; exit 2 ;;
 esac
+LR=${LR:-$([ "$METHOD" = continue ] && echo 3e-4 || echo 6e-4)}
 out="$W/qwen-run-$METHOD"
 if [ "$METHOD" = dspark-markov-2l ] && [ ! -d "$out/checkpoints" ]; then
   src=$(ls -d "$W"/qwen-run-dspark-markov/checkpoints/step-* | tail -1)
   [ -d "$out/init" ] || $D init-drafter --grow "$src" --layers 2 --out "$out/init"
   args+=(--init "$out/init")
 fi
+if [ "$METHOD" = continue ] && [ ! -d "$out/checkpoints" ]; then
+  # The shipped drafter's layout (layers, widths, vocabulary) comes with it; its 8-bit weights
+  # are dequantized, and the optimizer starts afresh.
+  args+=(--init drafters/$T-dspark-markov)
+fi
 common=(--target $T --data "$W/qwen-code-regen.jsonl" --features "$W/qwen-features"
         --block 7 --layers 1 --intermediate 4096 --draft-vocab 8192 --vocab-from "$W/qwen-code-regen.jsonl"
-        --markov-rank 32 --max-len 512 --batch 4 --anchors 64 --steps "$STEPS" --checkpoint-every 50)
+        --markov-rank 32 --max-len 512 --batch 4 --anchors 64 --steps "$STEPS" --lr "$LR" --checkpoint-every 50)
 if [ -d "$out/checkpoints" ]; then
   $D train "${args[@]}" "${common[@]}" --out "$out" --resume
 else

@@ -46,9 +46,14 @@ pub enum DataCmd {
         prompts: PathBuf,
         #[arg(long)]
         out: PathBuf,
-        /// Use the first N prompts.
+        /// Use the first N prompts (after --skip).
         #[arg(long)]
         n: Option<usize>,
+        /// Leave out the first K prompts (held out, or answered in an earlier run). Samples keep
+        /// the prompt's line number as their index, so runs over different ranges can share
+        /// one --out file and one feature cache.
+        #[arg(long, default_value_t = 0)]
+        skip: usize,
         /// Longest answer, in tokens.
         #[arg(long, default_value_t = 384)]
         max_tokens: usize,
@@ -177,6 +182,7 @@ pub fn run(cmd: DataCmd) -> Result<()> {
             prompts,
             out,
             n,
+            skip,
             max_tokens,
             batch,
             seed,
@@ -209,20 +215,43 @@ pub fn run(cmd: DataCmd) -> Result<()> {
                 None => None,
             };
             let mut texts = crate::bench::read_prompts(&prompts, usize::MAX)?;
-            if let Some(n) = n {
-                texts.truncate(n);
+            if skip >= texts.len() {
+                bail!("--skip {skip} leaves none of the {} prompts in {}", texts.len(), prompts.display());
             }
-            let bar = indicatif::ProgressBar::new(texts.len() as u64);
+            if let Some(n) = n {
+                texts.truncate(skip.saturating_add(n));
+            }
+            let bar = indicatif::ProgressBar::new((texts.len() - skip) as u64);
             bar.set_style(indicatif::ProgressStyle::with_template(
                 "regenerating [{bar:30}] {pos}/{len} answers {elapsed} (eta {eta})",
             )?);
             let on = |d: usize, _| bar.set_position(d as u64);
             let p = data::regen_sampling();
             let written = match &endpoint {
-                Some(url) => {
-                    data::regenerate_remote(&m, url, &served_model, &texts, &out, max_tokens, batch, &p, on)?
-                }
-                None => data::regenerate(&m, &texts, &out, max_tokens, batch, seed, &p, writer.as_mut(), on)?,
+                Some(url) => data::regenerate_remote(
+                    &m,
+                    url,
+                    &served_model,
+                    &texts,
+                    skip,
+                    &out,
+                    max_tokens,
+                    batch,
+                    &p,
+                    on,
+                )?,
+                None => data::regenerate(
+                    &m,
+                    &texts,
+                    skip,
+                    &out,
+                    max_tokens,
+                    batch,
+                    seed,
+                    &p,
+                    writer.as_mut(),
+                    on,
+                )?,
             };
             bar.finish();
             eprintln!("wrote {written} answers to {}", out.display());

@@ -291,6 +291,7 @@ struct Active {
 pub fn regenerate(
     model: &Model,
     prompts: &[String],
+    skip: usize,
     out: &Path,
     max_tokens: usize,
     batch: usize,
@@ -314,7 +315,7 @@ pub fn regenerate(
         .append(true)
         .open(out)
         .map_err(|e| TrainError::io(out, e))?;
-    let todo: Vec<usize> = (0..prompts.len()).filter(|i| !done.contains(i)).collect();
+    let todo: Vec<usize> = (skip..prompts.len()).filter(|i| !done.contains(i)).collect();
     let stops = model.tokenizer.eos().to_vec();
     let tap = match &features {
         Some(w) => TapSpec { layers: w.layers().to_vec(), final_norm: true },
@@ -324,8 +325,8 @@ pub fn regenerate(
     let d = model.config.hidden;
     let mut queue = todo.into_iter();
     let mut active: Vec<Active> = Vec::new();
-    let (mut written, total) = (0usize, prompts.len());
-    let mut finished = done.len();
+    let (mut written, total) = (0usize, prompts.len().saturating_sub(skip));
+    let mut finished = done.iter().filter(|&&i| i >= skip && i < prompts.len()).count();
     loop {
         while active.len() < batch {
             let Some(i) = queue.next() else { break };
@@ -451,6 +452,7 @@ pub fn regenerate_remote(
     endpoint: &str,
     served_model: &str,
     prompts: &[String],
+    skip: usize,
     out: &Path,
     max_tokens: usize,
     workers: usize,
@@ -465,7 +467,7 @@ pub fn regenerate_remote(
     let url = format!("{}/v1/chat/completions", endpoint.trim_end_matches('/'));
     let done: HashSet<usize> =
         if out.exists() { read_samples(out)?.into_iter().map(|s| s.index).collect() } else { HashSet::new() };
-    let todo: Vec<usize> = (0..prompts.len()).filter(|i| !done.contains(i)).collect();
+    let todo: Vec<usize> = (skip..prompts.len()).filter(|i| !done.contains(i)).collect();
     let mut file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -475,7 +477,7 @@ pub fn regenerate_remote(
     let (tx, rx) = std::sync::mpsc::channel::<std::result::Result<(usize, String), String>>();
     let agent = ureq::AgentBuilder::new().timeout(std::time::Duration::from_secs(600)).build();
     let mut written = 0;
-    let mut finished = done.len();
+    let mut finished = done.iter().filter(|&&i| i >= skip && i < prompts.len()).count();
     let mut first_error = None;
     std::thread::scope(|scope| {
         for _ in 0..workers.max(1) {
@@ -534,7 +536,7 @@ pub fn regenerate_remote(
                     }
                     written += 1;
                     finished += 1;
-                    progress(finished, prompts.len());
+                    progress(finished, prompts.len().saturating_sub(skip));
                 }
                 Err(e) => {
                     first_error.get_or_insert(e);

@@ -300,7 +300,7 @@ mod tests {
         }
         let z = Var::new(&[1f32, 2.0, 3.0], dev).unwrap();
         let mut wrong = AdamW::new(vec![("x".into(), z)], 0.0).unwrap();
-        let e = wrong.load(&p).err().expect("a shape mismatch is an error").to_string();
+        let e = wrong.load(&p).expect_err("a shape mismatch is an error").to_string();
         assert!(e.contains("another drafter"), "{e}");
     }
 }

@@ -44,14 +44,17 @@ fn regeneration_is_the_same_for_any_batch_size_and_after_an_interruption() {
         ["a b c", "d e", "f g h i", "j", "k l m"].iter().map(|s| s.to_string()).collect();
     let p = regen_sampling();
     let one = dir.path().join("one.jsonl");
-    regenerate(&m, &prompts, &one, 12, 1, 5, &p, None, |_, _| {}).unwrap();
+    regenerate(&m, &prompts, 0, &one, 12, 1, 5, &p, None, |_, _| {}).unwrap();
     let four = dir.path().join("four.jsonl");
     // Interrupted: only the first two prompts, and a half-written line left behind.
-    regenerate(&m, &prompts[..2], &four, 12, 4, 5, &p, None, |_, _| {}).unwrap();
+    regenerate(&m, &prompts[..2], 0, &four, 12, 4, 5, &p, None, |_, _| {}).unwrap();
     let mut f = std::fs::OpenOptions::new().append(true).open(&four).unwrap();
     std::io::Write::write_all(&mut f, b"{\"index\": 2, \"tok").unwrap();
-    let n = regenerate(&m, &prompts, &four, 12, 4, 5, &p, None, |_, _| {}).unwrap();
-    assert_eq!(n, 3, "only the missing prompts are answered");
+    // A run over a later range (`--skip 3`) keeps the prompts' own indices.
+    let n = regenerate(&m, &prompts, 3, &four, 12, 4, 5, &p, None, |_, _| {}).unwrap();
+    assert_eq!(n, 2, "only the prompts from --skip on are answered");
+    let n = regenerate(&m, &prompts, 0, &four, 12, 4, 5, &p, None, |_, _| {}).unwrap();
+    assert_eq!(n, 1, "only the missing prompt is answered");
     let sorted = |path| {
         let mut v = read_samples(path).unwrap();
         v.sort_by_key(|s| s.index);
@@ -78,7 +81,7 @@ fn features_captured_while_regenerating_are_the_features_of_a_prefill() {
     let captured = dir.path().join("captured");
     let out = dir.path().join("regen.jsonl");
     let mut w = FeatureWriter::open(&captured, 64, &layers, window).unwrap();
-    let n = regenerate(&m, &prompts, &out, 64, 3, 5, &regen_sampling(), Some(&mut w), |_, _| {}).unwrap();
+    let n = regenerate(&m, &prompts, 0, &out, 64, 3, 5, &regen_sampling(), Some(&mut w), |_, _| {}).unwrap();
     drop(w);
     let samples = read_samples(&out).unwrap();
     assert_eq!(n, 3, "the over-long prompt is skipped");
@@ -154,6 +157,7 @@ fn regeneration_through_an_openai_compatible_endpoint() {
         &url,
         "tiny",
         &prompts,
+        0,
         &out,
         16,
         2,
@@ -176,6 +180,7 @@ fn regeneration_through_an_openai_compatible_endpoint() {
             url,
             "tiny",
             &prompts[..1],
+            0,
             &out2,
             16,
             1,
