@@ -7,7 +7,7 @@
 #   one-layer run's last checkpoint deepened by `init-drafter --grow`) | continue (trains on
 #   from the shipped drafter in drafters/: what a new machine, which keeps nothing but the
 #   repository, starts from; LR defaults to 3e-4 for it)
-# LR: peak learning rate (default 6e-4).
+# Environment: LR, the peak learning rate of a new run (default 6e-4; a resumed run keeps its own).
 # SAMPLES counts code prompts tried; prompts too long for the 512-token window are skipped.
 # Work files and runs go to $DSPARK_HOME/train (default ~/.cache/dspark/train).
 set -euo pipefail
@@ -51,6 +51,8 @@ if [ "$METHOD" = continue ] && [ ! -d "$out/checkpoints" ]; then
   # are dequantized, and the optimizer starts afresh.
   args+=(--init drafters/$T-dspark-markov)
 fi
+# The layout options (layers, widths, vocabulary) shape a fresh drafter only: with --init or
+# --resume the checkpoint's own layout is kept.
 common=(--target $T --data "$W/qwen-code-regen.jsonl" --features "$W/qwen-features"
         --block 7 --layers 1 --intermediate 4096 --draft-vocab 8192 --vocab-from "$W/qwen-code-regen.jsonl"
         --markov-rank 32 --max-len 512 --batch 4 --anchors 64 --steps "$STEPS" --lr "$LR" --checkpoint-every 50)

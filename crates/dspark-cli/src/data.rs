@@ -50,8 +50,8 @@ pub enum DataCmd {
         #[arg(long)]
         n: Option<usize>,
         /// Leave out the first K prompts (held out, or answered in an earlier run). Samples keep
-        /// the prompt's line number as their index, so runs over different ranges can share
-        /// one --out file and one feature cache.
+        /// the prompt's position in the file (blank lines not counted) as their index, so runs
+        /// over different ranges can share one --out file and one feature cache.
         #[arg(long, default_value_t = 0)]
         skip: usize,
         /// Longest answer, in tokens.
@@ -215,8 +215,15 @@ pub fn run(cmd: DataCmd) -> Result<()> {
                 None => None,
             };
             let mut texts = crate::bench::read_prompts(&prompts, usize::MAX)?;
+            if texts.is_empty() {
+                bail!("{} holds no prompts (`dspark data prompts` writes them)", prompts.display());
+            }
             if skip >= texts.len() {
-                bail!("--skip {skip} leaves none of the {} prompts in {}", texts.len(), prompts.display());
+                bail!(
+                    "--skip {skip} leaves none of the {} prompts in {}: use a smaller --skip",
+                    texts.len(),
+                    prompts.display()
+                );
             }
             if let Some(n) = n {
                 texts.truncate(skip.saturating_add(n));

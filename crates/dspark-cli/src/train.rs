@@ -65,15 +65,6 @@ extern "C" fn on_sigint(_: libc::c_int) {
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
-    // A step's largest tensors (the `(A·γ) × V_d` logits and their gradients, ~60 MB on Qwen)
-    // exceed glibc's largest mmap threshold (32 MB), so their pages were faulted in afresh every
-    // step: ~6 % of a Qwen drafter's step. Training's working set is the same every step, so all
-    // of it stays in the heap (see `keep_freed_memory` for the rest).
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes an allocator threshold.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_MAX, 0);
-    }
     let steps = a.steps.unwrap_or(1000);
     if steps == 0 || a.batch == 0 || a.anchors == 0 {
         bail!("--steps, --batch and --anchors must be at least 1");
@@ -138,6 +129,19 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let c = &t.cfg;
     if let Some(s) = a.steps.filter(|&s| a.resume && s != c.steps) {
         eprintln!("--steps {s} ignored: the resumed run keeps its schedule of {} steps", c.steps);
+    }
+    if a.resume && a.lr != c.lr {
+        eprintln!("--lr {} ignored: the resumed run keeps its peak learning rate {}", a.lr, c.lr);
+    }
+    // A step's largest tensors (the `(A·γ) × V_d` logits and their gradients, ~60 MB on Qwen)
+    // exceed glibc's largest mmap threshold (32 MB), so their pages were faulted in afresh every
+    // step: ~6 % of a Qwen drafter's step. From here on (the model and data are loaded, so their
+    // temporaries are not pinned under the heap's top) every allocation stays in the heap: a
+    // step's working set is the same every step, so the heap stops growing after the first.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes how glibc allocates; no allocation is in flight.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_MAX, 0);
     }
     eprintln!(
         "training {} for {name}: {} samples, {} steps × {} sequences{}, starting at step {}",

@@ -333,6 +333,9 @@ impl candle_core::CustomOp1 for MaskedSoftmax {
             candle_core::bail!("scaled_masked_softmax takes contiguous f32 scores");
         };
         let cols = *l.dims().last().unwrap_or(&1);
+        if cols == 0 {
+            return Ok((candle_core::CpuStorage::F32(vec![]), l.shape().clone()));
+        }
         let mask_rows = self.mask.as_ref().map_or(1, |m| m.len() / cols.max(1));
         let mut out = v[a..b].to_vec();
         out.par_chunks_mut(cols).enumerate().for_each(|(r, row)| {
@@ -343,7 +346,8 @@ impl candle_core::CustomOp1 for MaskedSoftmax {
                 max = max.max(*x);
             }
             if max == f32::NEG_INFINITY {
-                // A row that sees nothing attends to nothing (no NaNs through the graph).
+                // A row that sees nothing attends to nothing, so no NaN reaches the gradients
+                // (drafting's `attend_plain` never builds such a row).
                 row.iter_mut().for_each(|x| *x = 0.0);
                 return;
             }
@@ -362,6 +366,9 @@ impl candle_core::CustomOp1 for MaskedSoftmax {
     fn bwd(&self, _: &Tensor, p: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
         use rayon::prelude::*;
         let cols = p.dim(D::Minus1)?;
+        if cols == 0 {
+            return Ok(Some(p.zeros_like()?));
+        }
         let pv = p.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
         let mut gv = g.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
         gv.par_chunks_mut(cols).zip(pv.par_chunks(cols)).for_each(|(g, p)| {

@@ -3,7 +3,7 @@
 
 use crate::{Result, TrainError};
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, Device, InplaceOp1, Layout, Tensor, Var};
+use candle_core::{CpuStorage, Device, InplaceOp2, Layout, Tensor, Var};
 use rayon::prelude::*;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -56,6 +56,22 @@ impl AdamW {
         for g in gs.iter().flatten() {
             sq += with_f32(g, sum_squares)?;
         }
+        // Everything is checked before anything changes: an error leaves the optimiser as it was.
+        for ((name, var), g) in self.vars.iter().zip(&gs) {
+            let w = var.as_tensor();
+            if let Some(g) = g {
+                if g.shape() != w.shape() {
+                    return Err(TrainError::Data(format!(
+                        "AdamW: the gradient of `{name}` has shape {:?}, the weight {:?}",
+                        g.dims(),
+                        w.dims()
+                    )));
+                }
+                if !w.is_contiguous() || w.dtype() != candle_core::DType::F32 {
+                    return Err(TrainError::Data(format!("AdamW: `{name}` is not a contiguous f32 weight")));
+                }
+            }
+        }
         let norm = sq.sqrt();
         let scale = if norm > clip { clip / norm } else { 1.0 };
         self.step += 1;
@@ -73,17 +89,10 @@ impl AdamW {
         };
         for (i, (_, var)) in self.vars.iter().enumerate() {
             let Some(g) = &gs[i] else { continue };
-            let w = var.as_tensor();
-            if !w.is_contiguous() || w.elem_count() != g.elem_count() {
-                return Err(TrainError::Data(format!(
-                    "AdamW: `{}` is not a contiguous f32 weight",
-                    self.vars[i].0
-                )));
-            }
-            with_f32(g, |g| {
-                let op = Update { g, m: &self.m[i], v: &self.v[i], h };
-                w.inplace_op1(&op)
-            })??;
+            let op = Update { m: &self.m[i], v: &self.v[i], h };
+            // As an op over (weight, gradient), candle orders the two storage locks and refuses
+            // a gradient that shares the weight's storage.
+            var.as_tensor().inplace_op2(g, &op)?;
         }
         Ok(norm)
     }
@@ -123,7 +132,9 @@ impl AdamW {
             self.m[i] = moments(format!("m.{name}"), var)?;
             self.v[i] = moments(format!("v.{name}"), var)?;
         }
-        self.step = get("step")?.to_vec1::<u32>()?[0] as usize;
+        self.step = *get("step")?.to_vec1::<u32>()?.first().ok_or_else(|| {
+            TrainError::Data(format!("{}: `step` is empty; start without --resume", path.display()))
+        })? as usize;
         Ok(())
     }
 }
@@ -173,33 +184,41 @@ fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     }
 }
 
-/// One AdamW update of a weight in place, from its gradient and moments.
+/// One AdamW update of a weight in place, from its gradient (the op's second operand) and moments.
 struct Update<'a> {
-    g: &'a [f32],
     m: &'a Moments,
     v: &'a Moments,
     h: Hyper,
 }
 
-impl InplaceOp1 for Update<'_> {
+impl InplaceOp2 for Update<'_> {
     fn name(&self) -> &'static str {
         "adamw-update"
     }
 
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+    fn cpu_fwd(
+        &self,
+        storage: &mut CpuStorage,
+        layout: &Layout,
+        grad: &CpuStorage,
+        grad_layout: &Layout,
+    ) -> candle_core::Result<()> {
         let (CpuStorage::F32(w), Some((a, b))) = (storage, layout.contiguous_offsets()) else {
             candle_core::bail!("AdamW updates contiguous f32 weights");
         };
-        let w = &mut w[a..b];
+        let (CpuStorage::F32(g), Some((ga, gb))) = (grad, grad_layout.contiguous_offsets()) else {
+            candle_core::bail!("AdamW takes contiguous f32 gradients");
+        };
+        let (w, g) = (&mut w[a..b], &g[ga..gb]);
         let (mut m, mut v) = (self.m.0.lock().expect("moments lock"), self.v.0.lock().expect("moments lock"));
-        if w.len() != self.g.len() || m.len() != w.len() || v.len() != w.len() {
+        if w.len() != g.len() || m.len() != w.len() || v.len() != w.len() {
             candle_core::bail!("AdamW: weight, gradient and moments differ in size");
         }
         let h = self.h;
         w.par_chunks_mut(CHUNK)
             .zip(m.par_chunks_mut(CHUNK))
             .zip(v.par_chunks_mut(CHUNK))
-            .zip(self.g.par_chunks(CHUNK))
+            .zip(g.par_chunks(CHUNK))
             .for_each(|(((w, m), v), g)| {
                 for i in 0..w.len() {
                     let g = g[i] * h.scale;

@@ -172,7 +172,14 @@ impl Trainer {
                     .map_err(|e| TrainError::io(&log, e))?;
             }
         }
-        let config = dspark_drafter_models::read_config(&src)?;
+        let mut config = dspark_drafter_models::read_config(&src)?;
+        if !resume {
+            if let Some(ext) = config.dspark.as_mut() {
+                // Temperatures fitted to the init's confidences do not fit the weights this run
+                // trains: `dspark calibrate` fits new ones.
+                ext.calibration_temperatures = None;
+            }
+        }
         config.check_target(&target, &dspark_drafter_models::TargetId::of(&target, target_name))?;
         let store = Store::load(&src.join("model.safetensors"))?;
         let mut vars = Vec::new();
