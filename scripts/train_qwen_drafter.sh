@@ -6,7 +6,8 @@
 #   METHOD: dspark-markov | dflash | dspark-markov-2l (two draft layers, started from the
 #   one-layer run's last checkpoint deepened by `init-drafter --grow`) | continue (trains on
 #   from the shipped drafter in drafters/: what a new machine, which keeps nothing but the
-#   repository, starts from; LR defaults to 3e-4 for it)
+#   repository, starts from; LR defaults to 3e-4 for it; once a `continue` run has been shipped,
+#   remove $W/qwen-run-continue so that the next one starts from the new shipped drafter)
 # Environment: LR, the peak learning rate of a new run (default 6e-4; a resumed run keeps its own).
 # SAMPLES counts code prompts tried; prompts too long for the 512-token window are skipped.
 # Work files and runs go to $DSPARK_HOME/train (default ~/.cache/dspark/train).
