@@ -8,7 +8,7 @@
 #   from the shipped drafter in drafters/: what a new machine, which keeps nothing but the
 #   repository, starts from; LR defaults to 3e-4 for it; once a `continue` run has been shipped,
 #   remove $W/qwen-run-continue so that the next one starts from the new shipped drafter)
-# Environment: LR, the peak learning rate of a new run (default 6e-4; a resumed run keeps its own).
+# Environment: EXTRA, more prompt ranges to answer (below); LR, the peak learning rate of a new run (default 6e-4; a resumed run keeps its own).
 # SAMPLES counts code prompts tried; prompts too long for the 512-token window are skipped.
 # Work files and runs go to $DSPARK_HOME/train (default ~/.cache/dspark/train).
 set -euo pipefail
@@ -26,8 +26,14 @@ D=target/release/dspark
 #    the target's features (five layers + final norm, f16: ~18 KB per token) are captured in the
 #    same pass.
 [ -f "$W/code-prompts.jsonl" ] || $D data prompts --topic code --out "$W/code-prompts.jsonl"
-$D data regenerate -m $T --prompts "$W/code-prompts.jsonl" --out "$W/qwen-code-regen.jsonl" \
-    --n "$SAMPLES" --max-tokens 384 --batch 32 --features "$W/qwen-features" --max-len 512
+regen=(-m $T --prompts "$W/code-prompts.jsonl" --out "$W/qwen-code-regen.jsonl"
+       --max-tokens 384 --batch 32 --features "$W/qwen-features" --max-len 512)
+$D data regenerate "${regen[@]}" --n "$SAMPLES"
+# More prompt ranges, as SKIP:N pairs (e.g. EXTRA="1224:840", the shipped drafter's second range;
+# prompts 1 200–1 223 are held out for calibration): same answers file, same feature cache.
+for r in ${EXTRA:-}; do
+  $D data regenerate "${regen[@]}" --skip "${r%%:*}" --n "${r##*:}"
+done
 # 2. Features of answers regenerated without --features (earlier runs of this script).
 $D data features -m $T --data "$W/qwen-code-regen.jsonl" --out "$W/qwen-features" --max-len 512
 
