@@ -34,6 +34,16 @@ pub enum DataCmd {
         /// or two programming words; see `is_code_prompt`) for a code model's drafter.
         #[arg(long, value_parser = ["code"])]
         topic: Option<String>,
+        /// Take the candidates from this JSONL file's `prompt` fields (for example
+        /// `scripts/stdlib_code_prompts.py`'s) instead of ShareGPT's first turns; the same
+        /// benchmark filter applies.
+        #[arg(long = "from", conflicts_with = "topic")]
+        from: Option<PathBuf>,
+        /// Keep the prompts already in --out, in their order (answers and feature caches made
+        /// from them keep their indices), and add the new ones after them, none equal to one
+        /// already there.
+        #[arg(long)]
+        append: bool,
     },
     /// Answer prompts with the target (temperature 0.7, top-p 0.8, top-k 20 as in the paper),
     /// several sequences per forward. Appends one JSON line per finished answer
@@ -108,11 +118,21 @@ pub enum DataCmd {
 
 pub fn run(cmd: DataCmd) -> Result<()> {
     match cmd {
-        DataCmd::Prompts { out, max, bench_dir, min_chars, max_chars, seed, topic } => {
-            let sharegpt = dspark_hub::fetch_data("sharegpt")?;
-            let text = std::fs::read_to_string(&sharegpt)
-                .with_context(|| format!("reading {}", sharegpt.display()))?;
-            let turns = data::sharegpt_first_turns(&text);
+        DataCmd::Prompts { out, max, bench_dir, min_chars, max_chars, seed, topic, from, append } => {
+            let turns = match &from {
+                Some(f) => crate::bench::read_prompts(f, usize::MAX)?,
+                None => {
+                    let sharegpt = dspark_hub::fetch_data("sharegpt")?;
+                    let text = std::fs::read_to_string(&sharegpt)
+                        .with_context(|| format!("reading {}", sharegpt.display()))?;
+                    data::sharegpt_first_turns(&text)
+                }
+            };
+            let existing = if append && out.exists() {
+                crate::bench::read_prompts(&out, usize::MAX)?
+            } else {
+                Vec::new()
+            };
             let mut bench = data::bench_prompts(&dspark_hub::bench_dir()?)?;
             if let Some(dir) = &bench_dir {
                 if !dir.is_dir() {
@@ -132,21 +152,32 @@ pub fn run(cmd: DataCmd) -> Result<()> {
             if topic.is_some() {
                 eprintln!("{} of {n_turns} first turns are about code", turns.len());
             }
+            let there: std::collections::HashSet<String> =
+                existing.iter().map(|p| data::normalize(p)).collect();
             let mut kept = data::select_prompts(turns, &bench, min_chars, max_chars);
+            kept.retain(|p| !there.contains(&data::normalize(p)));
             let n_kept = kept.len();
             use rand::seq::SliceRandom;
             use rand::SeedableRng;
             kept.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
             kept.truncate(max);
-            let mut f = std::io::BufWriter::new(std::fs::File::create(&out)?);
+            let file = if append {
+                std::fs::OpenOptions::new().create(true).append(true).open(&out)
+            } else {
+                std::fs::File::create(&out)
+            };
+            let mut f = std::io::BufWriter::new(file.with_context(|| format!("writing {}", out.display()))?);
             for p in &kept {
                 writeln!(f, "{}", serde_json::json!({ "prompt": p }))?;
             }
+            f.flush()?;
+            let source = if from.is_some() { "candidates" } else { "conversations" };
             eprintln!(
-                "{n_turns} conversations → {n_kept} distinct prompts disjoint from {} benchmark prompts → wrote {} to {}",
+                "{n_turns} {source} → {n_kept} new distinct prompts disjoint from {} benchmark prompts → wrote {} to {}{}",
                 bench.len(),
                 kept.len(),
-                out.display()
+                out.display(),
+                if append { format!(" after its {} prompts", existing.len()) } else { String::new() }
             );
         }
         DataCmd::Features { model, data: path, out, layers, max_len, n } => {

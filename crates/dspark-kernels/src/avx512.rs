@@ -54,7 +54,7 @@ unsafe fn range_f<F: Fmt, const AMX: bool>(
     out: *mut f32,
     ldo: usize,
 ) {
-    let mut scratch = AmxScratch { b: [0; 8 * 64], c: [0; 16 * 16] };
+    let mut scratch = AmxScratch { b: [0; GROUP * 16], c: [0; 16 * 16 * 16] };
     // Row passes of equal size: 12 rows are two passes of 6, not 8 + 4.
     let per = x.rows.div_ceil(x.rows.div_ceil(MAX_R));
     let mut r0 = 0;
@@ -62,25 +62,40 @@ unsafe fn range_f<F: Fmt, const AMX: bool>(
         let rt = per.min(x.rows - r0);
         // The first pass streams the weights from memory; later ones find them in L2.
         let first = r0 == 0;
-        if AMX {
+        // A tile product's cost hardly depends on its rows, a `vpdpbusd` pass's is linear in
+        // them: few rows take the VNNI loop (the same integers either way).
+        let tiles = AMX && rt >= AMX_MIN_ROWS;
+        if tiles {
             amx::configure(rt, if F::SCALES == ScaleKind::K6 { 16 } else { 32 });
         }
         for t in t0..t1 {
             let a = &mut scratch;
+            macro_rules! go {
+                ($r:literal) => {
+                    if tiles {
+                        tile::<F, $r, true>(w, t, x, r0, out, ldo, first, a)
+                    } else {
+                        tile::<F, $r, false>(w, t, x, r0, out, ldo, first, a)
+                    }
+                };
+            }
             match rt {
-                8 => tile::<F, 8, AMX>(w, t, x, r0, out, ldo, first, a),
-                7 => tile::<F, 7, AMX>(w, t, x, r0, out, ldo, first, a),
-                6 => tile::<F, 6, AMX>(w, t, x, r0, out, ldo, first, a),
-                5 => tile::<F, 5, AMX>(w, t, x, r0, out, ldo, first, a),
-                4 => tile::<F, 4, AMX>(w, t, x, r0, out, ldo, first, a),
-                3 => tile::<F, 3, AMX>(w, t, x, r0, out, ldo, first, a),
-                2 => tile::<F, 2, AMX>(w, t, x, r0, out, ldo, first, a),
-                _ => tile::<F, 1, AMX>(w, t, x, r0, out, ldo, first, a),
+                8 => go!(8),
+                7 => go!(7),
+                6 => go!(6),
+                5 => go!(5),
+                4 => go!(4),
+                3 => go!(3),
+                2 => go!(2),
+                _ => go!(1),
             }
         }
         r0 += rt;
     }
 }
+
+/// Row passes at least this large use AMX tiles on the AMX path.
+const AMX_MIN_ROWS: usize = 2;
 
 /// Nibble vector `s` of a record as bytes: chunks `2s` (low nibbles) and `2s + 1` (high), with
 /// Q5's fifth and Q6_K's high bits added.
@@ -181,6 +196,9 @@ unsafe fn tile<F: Fmt, const R: usize, const AMX: bool>(
         let a = x.qs.as_ptr().add(r0 * lda + g * GROUP) as *const u8;
         // Block index of row r's first block in this group.
         let blk = |r: usize| (r0 + r) * x.nbp + g * 8;
+        if AMX {
+            amx_group::<F>(amx, w, rec, a, lda);
+        }
         match F::SCALES {
             ScaleKind::F16 => {
                 for j in 0..8 {
@@ -289,15 +307,41 @@ unsafe fn pair_sums<const R: usize>(
     out
 }
 
-/// Where AMX tiles are staged: a block's weights as bytes (B), and the tile of integer sums (C).
+/// Where AMX tiles are staged: a group's weights as bytes (B: 64 chunks of 64 bytes), and the
+/// integer sums of each of its blocks (C: up to 16 blocks × 16 rows × 16 columns).
 #[repr(C, align(64))]
 struct AmxScratch {
-    b: [u8; 8 * 64],
-    c: [i32; 16 * 16],
+    b: [u8; GROUP * 16],
+    c: [i32; 16 * 16 * 16],
 }
 
-/// The integer sums of chunks `ch0..ch0 + n` (one block) into `p`, by `vpdpbusd` or by one AMX
-/// tile product; the same integers either way.
+/// The integer sums of every block of one group (8 blocks of 32 values, or Q6_K's 16 of 16)
+/// for the configured rows, into `s.c`: all tile products first, two at a time on distinct
+/// tiles, so that the tile unit works while the previous sums are stored, and the float
+/// epilogue reads them after.
+#[inline(always)]
+unsafe fn amx_group<F: Fmt>(s: &mut AmxScratch, w: &PackedMatrix, rec: *const u8, a: *const u8, lda: usize) {
+    let kb = if F::SCALES == ScaleKind::K6 { 16 } else { 32 };
+    // B is a block's chunk vectors, 64 bytes each: a record's layout is the tile's.
+    let b = if F::INTS == Ints::Byte {
+        rec
+    } else {
+        for v in 0..GROUP / 8 {
+            let (lo, hi) = unpack::<F>(w, rec, v);
+            let o = s.b.as_mut_ptr().add(2 * v * 64);
+            _mm512_store_si512(o as *mut _, lo);
+            _mm512_store_si512(o.add(64) as *mut _, hi);
+        }
+        s.b.as_ptr()
+    };
+    let c = s.c.as_mut_ptr();
+    for j in (0..GROUP / kb).step_by(2) {
+        amx::product2(a.add(j * kb), lda, b.add(j * kb * 16), c.add(j * 256), kb);
+    }
+}
+
+/// The integer sums of chunks `ch0..ch0 + n` (one block) into `p`, by `vpdpbusd` or, on the
+/// AMX path, from the group's tile products ([`amx_group`]); the same integers either way.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn block<F: Fmt, const R: usize, const AMX: bool>(
@@ -314,21 +358,9 @@ unsafe fn block<F: Fmt, const R: usize, const AMX: bool>(
     if !AMX {
         return dots::<F, R>(w, rec, ch0, n, a, lda, p, q);
     }
-    // B is the block's n chunk vectors, 64 bytes each: a record's layout is the tile's.
-    let b = if F::INTS == Ints::Byte {
-        rec.add(ch0 * 64)
-    } else {
-        for v in ch0 / 2..(ch0 + n) / 2 {
-            let (lo, hi) = unpack::<F>(w, rec, v);
-            let o = s.b.as_mut_ptr().add((2 * v - ch0) * 64);
-            _mm512_store_si512(o as *mut _, lo);
-            _mm512_store_si512(o.add(64) as *mut _, hi);
-        }
-        s.b.as_ptr()
-    };
-    amx::product(a.add(4 * ch0), lda, b, s.c.as_mut_ptr());
+    let c = s.c.as_ptr().add(ch0 / n * 256);
     for r in 0..R {
-        p[r] = _mm512_load_si512(s.c.as_ptr().add(16 * r) as *const _);
+        p[r] = _mm512_load_si512(c.add(16 * r) as *const _);
     }
 }
 
@@ -347,29 +379,41 @@ mod amx {
         rows: [u8; 16],
     }
 
-    /// Shapes the tiles for `rows` activation rows and blocks of `kb` bytes.
+    /// Shapes the tiles for `rows` activation rows and blocks of `kb` bytes: two products at a
+    /// time, on tiles 0–2 and 3–5.
     pub unsafe fn configure(rows: usize, kb: usize) {
         let mut c = Config { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
-        (c.colsb[0], c.rows[0]) = (kb as u16, rows as u8);
-        (c.colsb[1], c.rows[1]) = (64, (kb / 4) as u8);
-        (c.colsb[2], c.rows[2]) = (64, rows as u8);
+        for t in [0, 3] {
+            (c.colsb[t], c.rows[t]) = (kb as u16, rows as u8);
+            (c.colsb[t + 1], c.rows[t + 1]) = (64, (kb / 4) as u8);
+            (c.colsb[t + 2], c.rows[t + 2]) = (64, rows as u8);
+        }
         asm!("ldtilecfg [{0}]", in(reg) &c as *const Config, options(nostack, readonly));
     }
 
-    /// `c[r][n] = Σ_k a[r][k]·b[k / 4][4n + k % 4]` over the configured shapes.
+    /// Two consecutive blocks: `c[r][n] = Σ_k a[r][k]·b[k / 4][4n + k % 4]` over the configured
+    /// shapes, for `(a, b, c)` and for the block after it (`a + kb`, `b + 16·kb`, `c + 256`).
     #[inline(always)]
-    pub unsafe fn product(a: *const u8, lda: usize, b: *const u8, c: *mut i32) {
+    pub unsafe fn product2(a: *const u8, lda: usize, b: *const u8, c: *mut i32, kb: usize) {
         asm!(
             "tilezero tmm2",
-            "tileloadd tmm0, [{a} + {lda}*1]",
-            "tileloadd tmm1, [{b} + {ldb}*1]",
+            "tilezero tmm5",
+            "tileloadd tmm0, [{a0} + {lda}*1]",
+            "tileloadd tmm1, [{b0} + {ldb}*1]",
+            "tileloadd tmm3, [{a1} + {lda}*1]",
+            "tileloadd tmm4, [{b1} + {ldb}*1]",
             "tdpbsud tmm2, tmm0, tmm1",
-            "tilestored [{c} + {ldb}*1], tmm2",
-            a = in(reg) a,
+            "tdpbsud tmm5, tmm3, tmm4",
+            "tilestored [{c0} + {ldb}*1], tmm2",
+            "tilestored [{c1} + {ldb}*1], tmm5",
+            a0 = in(reg) a,
+            a1 = in(reg) a.add(kb),
             lda = in(reg) lda,
-            b = in(reg) b,
+            b0 = in(reg) b,
+            b1 = in(reg) b.add(16 * kb),
             ldb = in(reg) 64usize,
-            c = in(reg) c,
+            c0 = in(reg) c,
+            c1 = in(reg) c.add(256),
             options(nostack),
         );
     }

@@ -8,8 +8,10 @@ use std::sync::OnceLock;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KernelPath {
     /// The AVX-512 VNNI path with each block's integer sums from AMX-INT8 tiles (`tdpbsud`).
-    /// Opt-in (`DSPARK_KERNELS=amx`) until its bit-for-bit test has passed on a CPU with AMX:
-    /// none of this project's machines so far had one, so it has never run.
+    /// Bit for bit the other paths' results (its test passed on a Xeon with AMX), but not
+    /// faster: every 32-value block needs its own tile product, stored and rescaled in vector
+    /// registers, and that epilogue costs what VNNI's `vpdpbusd`s do (Q4_K) or more (Q6_K;
+    /// docs/BENCHMARKS.md, "AMX-INT8 measured"). So it stays opt-in (`DSPARK_KERNELS=amx`).
     Amx,
     /// AVX-512 BW + VNNI (512-bit registers, `vpdpbusd`/`vpdpwssd`).
     Avx512Vnni,
@@ -52,7 +54,7 @@ impl KernelPath {
         }
     }
 
-    /// The fastest path this CPU has, AMX excepted (see [`KernelPath::Amx`]).
+    /// The fastest path this CPU has; AMX is never faster than VNNI (see [`KernelPath::Amx`]).
     pub fn detected() -> Self {
         Self::ALL.into_iter().filter(|&p| p != Self::Amx).find(|p| p.available()).unwrap_or(Self::Scalar)
     }
