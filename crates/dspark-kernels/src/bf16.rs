@@ -41,8 +41,9 @@ impl<'a> Mat<'a> {
     }
 }
 
-/// Whether this CPU runs [`matmul`] with `vdpbf16ps` (AVX-512-BF16). `DSPARK_TRAIN_MATMUL=f32`
-/// answers false, for A/B runs against candle's f32 products.
+/// Whether this CPU runs [`matmul`] in hardware (AVX-512-BF16, and AMX-BF16 tiles where it
+/// has them). `DSPARK_TRAIN_MATMUL=f32` answers false, for A/B runs against candle's f32
+/// products.
 pub fn available() -> bool {
     static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *AVAILABLE.get_or_init(|| {
@@ -50,6 +51,45 @@ pub fn available() -> bool {
             return false;
         }
         simd()
+    })
+}
+
+/// The instructions [`matmul`] runs on, chosen once per process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bf16Path {
+    /// AMX-BF16 `tdpbf16ps` on 16 × 16 tiles (Intel Xeon 4th generation and later).
+    Amx,
+    /// AVX-512-BF16 `vdpbf16ps`.
+    Avx512,
+    /// [`reference`], portably.
+    Portable,
+}
+
+impl Bf16Path {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Amx => "amx-bf16",
+            Self::Avx512 => "avx512-bf16",
+            Self::Portable => "portable",
+        }
+    }
+}
+
+/// The path of this process: AMX where the CPU has AMX-BF16 and Linux grants the tile state,
+/// else AVX-512-BF16, else portable. `DSPARK_TRAIN_MATMUL=avx512` keeps AMX out (A/B runs).
+pub fn path() -> Bf16Path {
+    static PATH: std::sync::OnceLock<Bf16Path> = std::sync::OnceLock::new();
+    *PATH.get_or_init(|| {
+        if !simd() {
+            return Bf16Path::Portable;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if std::env::var("DSPARK_TRAIN_MATMUL").map_or(true, |v| v != "avx512")
+            && crate::path::amx_with(1 << 22)
+        {
+            return Bf16Path::Amx;
+        }
+        Bf16Path::Avx512
     })
 }
 
@@ -253,23 +293,37 @@ unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 /// `C = A · B` (`m × k` times `k × n`, `C` row-major `m × n`) from bf16-rounded operands with
-/// f32 sums: with `vdpbf16ps` where [`available`] says so, else portably ([`reference`]).
+/// f32 sums, on this process's [`path`].
 pub fn matmul(a: Mat, b: Mat) -> Vec<f32> {
+    matmul_on(path(), a, b)
+}
+
+/// [`matmul`] on a given path (tests compare paths); one this CPU lacks runs [`reference`].
+pub fn matmul_on(p: Bf16Path, a: Mat, b: Mat) -> Vec<f32> {
     assert_eq!(a.cols, b.rows, "inner dimensions");
     #[cfg(not(target_arch = "x86_64"))]
     return reference(a, b);
     #[cfg(target_arch = "x86_64")]
     {
-        if !simd() {
+        let usable = match p {
+            Bf16Path::Amx => simd() && crate::path::amx_with(1 << 22),
+            Bf16Path::Avx512 => simd(),
+            Bf16Path::Portable => false,
+        };
+        if !usable {
             return reference(a, b);
         }
         let (m, k, n) = (a.rows, a.cols, b.cols);
         let kp = k.div_ceil(2);
         let mut c = vec![0f32; m * n];
-        if m == 0 || n == 0 {
+        if m == 0 || n == 0 || k == 0 {
             return c;
         }
         let (ap, bp) = rayon::join(|| pack_a(a, kp), || pack_b(b, kp));
+        if p == Bf16Path::Amx {
+            amx::matmul(&ap, &bp, m, kp, n, &mut c);
+            return c;
+        }
         let col_tasks = n.div_ceil(NC);
         // At least 8 tasks so that two threads balance, rows split in multiples of MR.
         let row_tasks = 8usize.div_ceil(col_tasks).min(m.div_ceil(MR));
@@ -284,6 +338,133 @@ pub fn matmul(a: Mat, b: Mat) -> Vec<f32> {
             unsafe { block(&ap, &bp, kp, n, i0..i1, j0..j1, out.0) };
         });
         c
+    }
+}
+
+/// AMX-BF16: `C` in blocks of 32 × 32 (four 16 × 16 f32 tiles held across the whole of k),
+/// from A's rows and B's column tiles packed as [`pack_a`] and [`pack_b`] make them — already
+/// the tiles' layouts (a row of an A tile is 16 pairs of one row; a row of a B tile is one pair
+/// of 16 columns) — padded with zeros to whole tiles.
+#[cfg(target_arch = "x86_64")]
+mod amx {
+    use super::{OutPtr, NT};
+    use rayon::prelude::*;
+    use std::arch::asm;
+
+    /// Rows, and pairs along k, per tile.
+    const T: usize = 16;
+    /// Column pairs (of 32 columns) per task: the task's 32 rows of A are read from L2 once per
+    /// pair.
+    const PAIRS: usize = 4;
+
+    #[repr(C, align(64))]
+    struct Config {
+        palette: u8,
+        start_row: u8,
+        reserved: [u8; 14],
+        colsb: [u16; 16],
+        rows: [u8; 16],
+    }
+
+    #[repr(C, align(64))]
+    struct Tile([f32; T * T]);
+
+    pub fn matmul(ap: &[u32], bp: &[u32], m: usize, kp: usize, n: usize, c: &mut [f32]) {
+        let kq = kp.div_ceil(T) * T;
+        let mq = m.div_ceil(2 * T) * 2 * T;
+        let tiles = n.div_ceil(NT);
+        let tq = tiles.div_ceil(2) * 2;
+        let mut a = vec![0u32; mq * kq];
+        a.par_chunks_mut(kq).zip(ap.par_chunks(kp)).for_each(|(d, s)| d[..kp].copy_from_slice(s));
+        let mut b = vec![0u32; tq * kq * NT];
+        b.par_chunks_mut(kq * NT)
+            .zip(bp.par_chunks(kp * NT))
+            .for_each(|(d, s)| d[..kp * NT].copy_from_slice(s));
+        let (row_blocks, col_groups) = (mq / (2 * T), (tq / 2).div_ceil(PAIRS));
+        let out = OutPtr(c.as_mut_ptr());
+        (0..row_blocks * col_groups).into_par_iter().for_each(|task| {
+            let (rb, cg) = (task / col_groups, task % col_groups);
+            let out = &out;
+            // SAFETY: the caller's path check found AMX-BF16 with the tile state granted; the
+            // padded operands cover every tile read; the task writes only its own rows and
+            // columns of C, below m and n.
+            unsafe {
+                block(&a, &b, kq, m, n, rb * 2 * T, cg * PAIRS * 2..((cg + 1) * PAIRS * 2).min(tq), out.0)
+            };
+        });
+    }
+
+    /// Rows `r0..r0 + 32` by column tiles `tiles` (an even count) of C.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn block(
+        a: &[u32],
+        b: &[u32],
+        kq: usize,
+        m: usize,
+        n: usize,
+        r0: usize,
+        tiles: std::ops::Range<usize>,
+        c: *mut f32,
+    ) {
+        let mut cfg = Config { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
+        for t in 0..8 {
+            (cfg.colsb[t], cfg.rows[t]) = (64, T as u8);
+        }
+        asm!("ldtilecfg [{0}]", in(reg) &cfg as *const Config, options(nostack, readonly));
+        let lda = kq * 4;
+        let mut buf = Tile([0.0; T * T]);
+        for t0 in tiles.step_by(2) {
+            asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+            let a0 = a.as_ptr().add(r0 * kq);
+            let a1 = a.as_ptr().add((r0 + T) * kq);
+            let b0 = b.as_ptr().add(t0 * kq * NT);
+            let b1 = b.as_ptr().add((t0 + 1) * kq * NT);
+            for p in (0..kq).step_by(T) {
+                asm!(
+                    "tileloadd tmm4, [{a0} + {lda}*1]",
+                    "tileloadd tmm5, [{a1} + {lda}*1]",
+                    "tileloadd tmm6, [{b0} + {ldb}*1]",
+                    "tileloadd tmm7, [{b1} + {ldb}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    a0 = in(reg) a0.add(p),
+                    a1 = in(reg) a1.add(p),
+                    b0 = in(reg) b0.add(p * NT),
+                    b1 = in(reg) b1.add(p * NT),
+                    lda = in(reg) lda,
+                    ldb = in(reg) 64usize,
+                    options(nostack, readonly),
+                );
+            }
+            for (q, (dr, dt)) in [(0, 0), (0, 1), (1, 0), (1, 1)].into_iter().enumerate() {
+                let bp = buf.0.as_mut_ptr();
+                match q {
+                    0 => {
+                        asm!("tilestored [{0} + {1}*1], tmm0", in(reg) bp, in(reg) 64usize, options(nostack))
+                    }
+                    1 => {
+                        asm!("tilestored [{0} + {1}*1], tmm1", in(reg) bp, in(reg) 64usize, options(nostack))
+                    }
+                    2 => {
+                        asm!("tilestored [{0} + {1}*1], tmm2", in(reg) bp, in(reg) 64usize, options(nostack))
+                    }
+                    _ => {
+                        asm!("tilestored [{0} + {1}*1], tmm3", in(reg) bp, in(reg) 64usize, options(nostack))
+                    }
+                }
+                let (i0, j0) = (r0 + dr * T, (t0 + dt) * NT);
+                if i0 >= m || j0 >= n {
+                    continue;
+                }
+                let w = (n - j0).min(NT);
+                for r in 0..(m - i0).min(T) {
+                    std::ptr::copy_nonoverlapping(buf.0.as_ptr().add(r * T), c.add((i0 + r) * n + j0), w);
+                }
+            }
+        }
+        asm!("tilerelease", options(nostack, nomem));
     }
 }
 
@@ -422,20 +603,31 @@ mod tests {
             eprintln!("skipped: this CPU has no AVX-512-BF16 (the portable path is the definition)");
             return;
         }
-        for &(m, k, n) in &[(1, 1, 1), (9, 7, 17), (8, 64, 32), (13, 515, 47), (37, 1030, 100), (64, 33, 200)]
-        {
+        let amx = crate::path::amx_with(1 << 22);
+        if !amx {
+            eprintln!("skipped the AMX-BF16 path: this CPU lacks it");
+        }
+        let paths = if amx { vec![Bf16Path::Avx512, Bf16Path::Amx] } else { vec![Bf16Path::Avx512] };
+        let shapes =
+            [(1, 1, 1), (9, 7, 17), (8, 64, 32), (13, 515, 47), (37, 1030, 100), (64, 33, 200), (33, 40, 49)];
+        for &(m, k, n) in &shapes {
             for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
                 let (da, db) = (random(m * k, 1 + m as u64), random(k * n, 2 + n as u64));
                 let a = if ta { Mat::new(&da, k, m).t() } else { Mat::new(&da, m, k) };
                 let b = if tb { Mat::new(&db, n, k).t() } else { Mat::new(&db, k, n) };
-                let (got, want) = (matmul(a, b), reference(a, b));
-                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                    // Sums of k terms below 1 in magnitude: association changes at most a few
-                    // ulps of the partial sums.
-                    assert!(
-                        (g - w).abs() <= 1e-5 * (k as f32).sqrt().max(1.0) * 4.0,
-                        "m {m} k {k} n {n} transposed ({ta}, {tb}) element {i}: {g} vs {w}"
-                    );
+                let want = reference(a, b);
+                for &p in &paths {
+                    let got = matmul_on(p, a, b);
+                    assert_eq!(got.len(), want.len());
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        // Sums of k terms below 1 in magnitude: association changes at most a
+                        // few ulps of the partial sums.
+                        assert!(
+                            (g - w).abs() <= 1e-5 * (k as f32).sqrt().max(1.0) * 4.0,
+                            "{} m {m} k {k} n {n} transposed ({ta}, {tb}) element {i}: {g} vs {w}",
+                            p.name()
+                        );
+                    }
                 }
             }
         }

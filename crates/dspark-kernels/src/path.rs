@@ -101,19 +101,31 @@ pub fn kernel_path() -> KernelPath {
     })
 }
 
-/// Whether the CPU has AMX-TILE and AMX-INT8 and Linux let this process use the tile state
-/// (asked once: `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`; a refusal, or an older
-/// kernel, leaves the AVX-512 path).
+/// Whether the CPU has AMX-TILE and AMX-INT8 and Linux let this process use the tile state.
 #[cfg(target_arch = "x86_64")]
 fn amx_granted() -> bool {
+    amx_with(1 << 25)
+}
+
+/// Whether the CPU has AMX-TILE and the AMX extensions in `edx_bits` (CPUID leaf 7's EDX:
+/// bit 22 AMX-BF16, bit 25 AMX-INT8), and Linux let this process use the tile state (asked
+/// once: `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`; a refusal, or an older kernel,
+/// leaves the AVX-512 paths).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn amx_with(edx_bits: u32) -> bool {
+    if !std::arch::is_x86_feature_detected!("avx2") {
+        return false;
+    }
+    // CPUID leaf 7 exists on every CPU with AVX2.
+    let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
+    let tile = leaf7.edx & (1 << 24) != 0;
+    tile && leaf7.edx & edx_bits == edx_bits && tile_permission()
+}
+
+#[cfg(target_arch = "x86_64")]
+fn tile_permission() -> bool {
     static GRANTED: OnceLock<bool> = OnceLock::new();
     *GRANTED.get_or_init(|| {
-        // CPUID leaf 7 exists on every CPU with AVX2 (checked by the caller first).
-        let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
-        let (tile, int8) = (leaf7.edx & (1 << 24) != 0, leaf7.edx & (1 << 25) != 0);
-        if !(tile && int8) {
-            return false;
-        }
         #[cfg(target_os = "linux")]
         {
             const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
