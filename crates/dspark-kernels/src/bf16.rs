@@ -134,10 +134,11 @@ const KC: usize = 256;
 /// Columns per task.
 const NC: usize = 128;
 
-/// `A`'s rows as bf16 pairs along k (element 2p in the low half): `kp` words per row.
-fn pack_a(a: Mat, kp: usize) -> Vec<u32> {
+/// `A`'s rows as bf16 pairs along k (element 2p in the low half): `kp` words of each row at a
+/// stride of `ld ≥ kp` words, in `rows ≥ m` rows (the padding zero: whole AMX tiles).
+fn pack_a(a: Mat, kp: usize, ld: usize, rows: usize) -> Vec<u32> {
     let (m, k) = (a.rows, a.cols);
-    let mut out = vec![0u32; m * kp];
+    let mut out = vec![0u32; rows * ld];
     #[cfg(target_arch = "x86_64")]
     if simd() {
         if a.transposed {
@@ -155,27 +156,27 @@ fn pack_a(a: Mat, kp: usize) -> Vec<u32> {
                     // SAFETY: AVX-512-BF16 was detected (`simd`).
                     unsafe { x86::interleave(lo, hi, &mut pairs) };
                     for (l, &w) in pairs[..lanes].iter().enumerate() {
-                        // SAFETY: rows i0..i0+lanes are this task's; p < kp.
-                        unsafe { *(out.0 as *mut u32).add((i0 + l) * kp + p) = w };
+                        // SAFETY: rows i0..i0+lanes are this task's; p < kp ≤ ld.
+                        unsafe { *(out.0 as *mut u32).add((i0 + l) * ld + p) = w };
                     }
                 }
             });
         } else {
-            out.par_chunks_mut(kp.max(1)).enumerate().for_each(|(i, row)| {
+            out.par_chunks_mut(ld.max(1)).take(m).enumerate().for_each(|(i, row)| {
                 // SAFETY: AVX-512-BF16 was detected (`simd`).
-                unsafe { x86::convert(&a.data[i * k..(i + 1) * k], row) }
+                unsafe { x86::convert(&a.data[i * k..(i + 1) * k], &mut row[..kp]) }
             });
         }
         return out;
     }
-    pack_a_portable(a, kp, &mut out);
+    pack_a_portable(a, kp, ld, &mut out);
     out
 }
 
-fn pack_a_portable(a: Mat, kp: usize, out: &mut [u32]) {
+fn pack_a_portable(a: Mat, kp: usize, ld: usize, out: &mut [u32]) {
     let k = a.cols;
-    out.par_chunks_mut(kp.max(1)).enumerate().for_each(|(i, row)| {
-        for (p, w) in row.iter_mut().enumerate() {
+    out.par_chunks_mut(ld.max(1)).take(a.rows).enumerate().for_each(|(i, row)| {
+        for (p, w) in row[..kp].iter_mut().enumerate() {
             let hi = if 2 * p + 1 < k { a.at(i, 2 * p + 1) } else { 0.0 };
             *w = pair(a.at(i, 2 * p), hi);
         }
@@ -183,14 +184,14 @@ fn pack_a_portable(a: Mat, kp: usize, out: &mut [u32]) {
 }
 
 /// `B` in tiles of 16 columns: per tile and pair p, 16 words (one per column) holding
-/// `B[2p][j]` and `B[2p+1][j]`; columns past `n` are zero.
-fn pack_b(b: Mat, kp: usize) -> Vec<u32> {
+/// `B[2p][j]` and `B[2p+1][j]`; columns past `n` are zero. Tiles are `ld ≥ kp` pairs apart and
+/// there are `tiles ≥ ⌈n / 16⌉` of them (the padding zero: whole AMX tiles).
+fn pack_b(b: Mat, kp: usize, ld: usize, tiles: usize) -> Vec<u32> {
     let (k, n) = (b.rows, b.cols);
-    let tiles = n.div_ceil(NT);
-    let mut out = vec![0u32; tiles * kp * NT];
+    let mut out = vec![0u32; tiles * ld * NT];
     #[cfg(target_arch = "x86_64")]
     if simd() {
-        out.par_chunks_mut((kp * NT).max(1)).enumerate().for_each(|(t, tile)| {
+        out.par_chunks_mut((ld * NT).max(1)).take(n.div_ceil(NT)).enumerate().for_each(|(t, tile)| {
             let j0 = t * NT;
             let lanes = NT.min(n - j0);
             if b.transposed {
@@ -216,13 +217,13 @@ fn pack_b(b: Mat, kp: usize) -> Vec<u32> {
         });
         return out;
     }
-    pack_b_portable(b, kp, &mut out);
+    pack_b_portable(b, kp, ld, &mut out);
     out
 }
 
-fn pack_b_portable(b: Mat, kp: usize, out: &mut [u32]) {
+fn pack_b_portable(b: Mat, kp: usize, ld: usize, out: &mut [u32]) {
     let (k, n) = (b.rows, b.cols);
-    out.par_chunks_mut((kp * NT).max(1)).enumerate().for_each(|(t, tile)| {
+    out.par_chunks_mut((ld * NT).max(1)).take(n.div_ceil(NT)).enumerate().for_each(|(t, tile)| {
         for p in 0..kp {
             for l in 0..NT {
                 let j = t * NT + l;
@@ -319,11 +320,13 @@ pub fn matmul_on(p: Bf16Path, a: Mat, b: Mat) -> Vec<f32> {
         if m == 0 || n == 0 || k == 0 {
             return c;
         }
-        let (ap, bp) = rayon::join(|| pack_a(a, kp), || pack_b(b, kp));
         if p == Bf16Path::Amx {
-            amx::matmul(&ap, &bp, m, kp, n, &mut c);
+            let (kq, mq, tq) = amx::padded(m, kp, n);
+            let (ap, bp) = rayon::join(|| pack_a(a, kp, kq, mq), || pack_b(b, kp, kq, tq));
+            amx::matmul(&ap, &bp, m, kq, n, &mut c);
             return c;
         }
+        let (ap, bp) = rayon::join(|| pack_a(a, kp, kp, m), || pack_b(b, kp, kp, n.div_ceil(NT)));
         let col_tasks = n.div_ceil(NC);
         // At least 8 tasks so that two threads balance, rows split in multiples of MR.
         let row_tasks = 8usize.div_ceil(col_tasks).min(m.div_ceil(MR));
@@ -369,17 +372,16 @@ mod amx {
     #[repr(C, align(64))]
     struct Tile([f32; T * T]);
 
-    pub fn matmul(ap: &[u32], bp: &[u32], m: usize, kp: usize, n: usize, c: &mut [f32]) {
-        let kq = kp.div_ceil(T) * T;
-        let mq = m.div_ceil(2 * T) * 2 * T;
-        let tiles = n.div_ceil(NT);
-        let tq = tiles.div_ceil(2) * 2;
-        let mut a = vec![0u32; mq * kq];
-        a.par_chunks_mut(kq).zip(ap.par_chunks(kp)).for_each(|(d, s)| d[..kp].copy_from_slice(s));
-        let mut b = vec![0u32; tq * kq * NT];
-        b.par_chunks_mut(kq * NT)
-            .zip(bp.par_chunks(kp * NT))
-            .for_each(|(d, s)| d[..kp * NT].copy_from_slice(s));
+    /// Pairs along k, rows of A and column tiles of B, padded to whole tiles (rows and column
+    /// tiles to pairs of tiles: the 32 × 32 blocks).
+    pub fn padded(m: usize, kp: usize, n: usize) -> (usize, usize, usize) {
+        (kp.div_ceil(T) * T, m.div_ceil(2 * T) * 2 * T, n.div_ceil(NT).div_ceil(2) * 2)
+    }
+
+    /// `C` from `a` (`mq × kq` words) and `b` (`tq` tiles of `kq × 16` words) packed to
+    /// [`padded`]'s sizes.
+    pub fn matmul(a: &[u32], b: &[u32], m: usize, kq: usize, n: usize, c: &mut [f32]) {
+        let (mq, tq) = (a.len() / kq, b.len() / (kq * NT));
         let (row_blocks, col_groups) = (mq / (2 * T), (tq / 2).div_ceil(PAIRS));
         let out = OutPtr(c.as_mut_ptr());
         (0..row_blocks * col_groups).into_par_iter().for_each(|task| {
@@ -644,12 +646,17 @@ mod tests {
             for m in [Mat::new(&d, r, c), Mat::new(&d, c, r).t()] {
                 let kp = m.cols.div_ceil(2);
                 let mut want = vec![0u32; m.rows * kp];
-                pack_a_portable(m, kp, &mut want);
-                assert_eq!(pack_a(m, kp), want, "A {r}×{c} transposed {}", m.transposed);
+                pack_a_portable(m, kp, kp, &mut want);
+                assert_eq!(pack_a(m, kp, kp, m.rows), want, "A {r}×{c} transposed {}", m.transposed);
                 let kp = m.rows.div_ceil(2);
                 let mut want = vec![0u32; m.cols.div_ceil(NT) * kp * NT];
-                pack_b_portable(m, kp, &mut want);
-                assert_eq!(pack_b(m, kp), want, "B {r}×{c} transposed {}", m.transposed);
+                pack_b_portable(m, kp, kp, &mut want);
+                assert_eq!(
+                    pack_b(m, kp, kp, m.cols.div_ceil(NT)),
+                    want,
+                    "B {r}×{c} transposed {}",
+                    m.transposed
+                );
             }
         }
     }
