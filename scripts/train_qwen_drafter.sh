@@ -26,11 +26,20 @@ D=target/release/dspark
 #    the target's features (five layers + final norm, f16: ~18 KB per token) are captured in the
 #    same pass.
 [ -f "$W/code-prompts.jsonl" ] || $D data prompts --topic code --out "$W/code-prompts.jsonl"
+# 1b. More code prompts after ShareGPT's 2 064 (whose indices stay): functions and classes to write
+#     from the docstrings of the running Python's standard library (≈ 3 500 with Python 3.11),
+#     through the same benchmark filter. Answer them with an EXTRA range from 2064 on.
+if [ ! -f "$W/stdlib-prompts.jsonl" ]; then
+  python3 scripts/stdlib_code_prompts.py "$W/stdlib-prompts.jsonl.part"
+  $D data prompts --from "$W/stdlib-prompts.jsonl.part" --append --out "$W/code-prompts.jsonl"
+  mv "$W/stdlib-prompts.jsonl.part" "$W/stdlib-prompts.jsonl"
+fi
 regen=(-m $T --prompts "$W/code-prompts.jsonl" --out "$W/qwen-code-regen.jsonl"
        --max-tokens 384 --batch 32 --features "$W/qwen-features" --max-len 512)
 $D data regenerate "${regen[@]}" --n "$SAMPLES"
-# More prompt ranges, as SKIP:N pairs (e.g. EXTRA="1224:840", the shipped drafter's second range;
-# prompts 1 200–1 223 are held out for calibration): same answers file, same feature cache.
+# More prompt ranges, as SKIP:N pairs (e.g. EXTRA="1224:840", the third shipped drafter's second
+# range, or "2064:600", the first standard-library prompts; prompts 1 200–1 223 are held out for
+# calibration): same answers file, same feature cache.
 for r in ${EXTRA:-}; do
   $D data regenerate "${regen[@]}" --skip "${r%%:*}" --n "${r##*:}"
 done

@@ -432,16 +432,14 @@ impl BlockModel {
             positions.extend(p..p + b);
         }
         let rope = Rope::new(&positions, self.config.head_dim, self.config.rope_theta, &Device::Cpu)?;
-        let mask = block_mask(l, anchors, b)?;
+        let mask = block_sparse_mask(l, anchors, b)?;
         let mut x = self.embed.rows(&block_tokens)?;
         for layer in &self.layers {
             let (kc, vc) = layer.attn.keys_values(&h_ctx, &ctx_rope)?;
             let h = rms_norm(&x, &layer.input_norm, eps)?;
             let q = layer.attn.queries(&h, &rope)?;
             let (kb, vb) = layer.attn.keys_values(&h, &rope)?;
-            let k = Tensor::cat(&[&kc, &kb], 0)?;
-            let v = Tensor::cat(&[&vc, &vb], 0)?;
-            x = layer_tail(layer, &x, &layer.attn.attend(&q, &k, &v, Some(&mask))?)?;
+            x = layer_tail(layer, &x, &layer.attn.attend_blocks(&q, &kc, &vc, &kb, &vb, &mask, b)?)?;
         }
         self.drafting_slots(&x, anchors.len())
     }
@@ -509,8 +507,25 @@ fn layer_tail(layer: &DecoderLayer, x: &Tensor, attn: &Tensor) -> Result<Tensor>
     Ok((&x + layer.mlp.forward(&h)?)?)
 }
 
-/// The additive attention mask of a training step: rows are the blocks' slots, columns the `l`
-/// context positions then every block's slots. Block a sees context `< anchors[a]` and itself.
+/// The additive mask of [`Attention::attend_blocks`](crate::nn::Attention::attend_blocks): rows
+/// are the blocks' slots, columns the `l` context positions then the row's own block's `b`
+/// slots. Block a sees context `< anchors[a]` and all of itself.
+pub fn block_sparse_mask(l: usize, anchors: &[usize], b: usize) -> Result<Tensor> {
+    let cols = l + b;
+    let mut m = vec![f32::NEG_INFINITY; anchors.len() * b * cols];
+    for (a, &p) in anchors.iter().enumerate() {
+        for i in 0..b {
+            let row = &mut m[(a * b + i) * cols..(a * b + i + 1) * cols];
+            row[..p.min(l)].iter_mut().for_each(|x| *x = 0.0);
+            row[l..].iter_mut().for_each(|x| *x = 0.0);
+        }
+    }
+    Ok(Tensor::from_vec(m, (anchors.len() * b, cols), &Device::Cpu)?)
+}
+
+/// The dense form of that mask, over every block's slots (what [`block_sparse_mask`] leaves
+/// out): rows are the blocks' slots, columns the `l` context positions then every block's
+/// slots. Block a sees context `< anchors[a]` and itself.
 pub fn block_mask(l: usize, anchors: &[usize], b: usize) -> Result<Tensor> {
     let cols = l + anchors.len() * b;
     let mut m = vec![f32::NEG_INFINITY; anchors.len() * b * cols];

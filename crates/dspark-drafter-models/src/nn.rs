@@ -476,6 +476,53 @@ impl Attention {
 }
 
 impl Attention {
+    /// [`Self::attend`] for a training step's blocks without the scores it would mask: the
+    /// queries are `A` blocks of `b` slots (`(A·b, heads, head_dim)`); block `a` attends to the
+    /// context keys `kc`/`vc` (`(L, kv_heads, head_dim)`) through row `a·b + i` of the additive
+    /// `mask` (`(A·b, L + b)`, its last `b` columns the block's own, see
+    /// [`block_sparse_mask`](crate::dflash::block_sparse_mask)) and to its own slots' keys
+    /// `kb`/`vb` (`(A·b, kv_heads, head_dim)`), never to another block's. The same function as
+    /// `attend` over `[kc; kb]` with the dense `block_mask`, whose other-block columns are half
+    /// of the scores at 64 anchors and two thirds at 128; the softmax sums the same terms in the
+    /// same order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_blocks(
+        &self,
+        q: &Tensor,
+        kc: &Tensor,
+        vc: &Tensor,
+        kb: &Tensor,
+        vb: &Tensor,
+        mask: &Tensor,
+        b: usize,
+    ) -> Result<Tensor> {
+        let (tq, l) = (q.dim(0)?, kc.dim(0)?);
+        if b == 0 || tq % b != 0 || kb.dim(0)? != tq || mask.dims() != [tq, l + b] {
+            candle_core::bail!(
+                "attend_blocks: {tq} queries in blocks of {b}, {} block keys, mask {:?} for {l} context keys",
+                kb.dim(0)?,
+                mask.dims()
+            );
+        }
+        let (nh, hd, a) = (self.n_heads, self.head_dim, tq / b);
+        let rep = nh / self.n_kv_heads;
+        let expand = |x: &Tensor| -> Result<Tensor> {
+            let t = x.dim(0)?;
+            let x = x.transpose(0, 1)?; // (kv_heads, T, hd)
+            x.unsqueeze(1)?.expand((self.n_kv_heads, rep, t, hd))?.reshape((nh, t, hd))?.contiguous()
+        };
+        let qh = q.transpose(0, 1)?.contiguous()?; // (heads, A·b, hd)
+        let (kc, vc, kb, vb) = (expand(kc)?, expand(vc)?, expand(kb)?, expand(vb)?);
+        let per_block = |x: &Tensor| x.reshape((nh * a, b, hd));
+        let sc = qh.matmul(&kc.t()?)?; // (heads, A·b, L)
+        let sb = per_block(&qh)?.matmul(&per_block(&kb)?.t()?)?.reshape((nh, tq, b))?;
+        let p = scaled_masked_softmax(&Tensor::cat(&[&sc, &sb], 2)?, Some(mask), 1.0 / (hd as f64).sqrt())?;
+        let pc = p.narrow(2, 0, l)?.contiguous()?;
+        let pb = p.narrow(2, l, b)?.contiguous()?.reshape((nh * a, b, b))?;
+        let out = (pc.matmul(&vc)? + pb.matmul(&per_block(&vb)?)?.reshape((nh, tq, hd))?)?;
+        out.transpose(0, 1)?.reshape((tq, nh * hd))
+    }
+
     /// [`Self::attend`] without a graph (drafting): one pass over the keys and values per query
     /// row and head, in place of candle's head expansion, copies and a dozen small ops — a third
     /// of a drafting round when written with them (perf, SmolLM2 DSpark drafter, γ 7).
@@ -700,6 +747,64 @@ mod tests {
         )
         .unwrap();
         assert_eq!(flat(&y), vec![0.0; 8]);
+    }
+
+    /// The training attention without the masked columns against the dense one with
+    /// `block_mask`: values and the gradients of every input, grouped heads, context rows that
+    /// see nothing (an anchor at 0) included.
+    #[test]
+    fn block_sparse_attention_equals_the_masked_dense_one() {
+        use crate::dflash::{block_mask, block_sparse_mask};
+        use candle_core::Var;
+        let dev = Device::Cpu;
+        let (nh, nkv, hd, l, b) = (4, 2, 8, 11, 3);
+        let anchors = [0usize, 4, 10, 6];
+        let tq = anchors.len() * b;
+        let lin = || Linear::new(Tensor::zeros((1, 1), candle_core::DType::F32, &dev).unwrap(), None);
+        let att = Attention {
+            q: lin(),
+            k: lin(),
+            v: lin(),
+            o: lin(),
+            q_norm: None,
+            k_norm: None,
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            eps: 1e-6,
+        };
+        let var = |t: usize, h: usize, seed: f32| {
+            let v: Vec<f32> = (0..t * h * hd).map(|i| ((i as f32 + 1.0) * seed).sin()).collect();
+            Var::from_vec(v, (t, h, hd), &dev).unwrap()
+        };
+        let (q, kc, vc, kb, vb) =
+            (var(tq, nh, 0.31), var(l, nkv, 0.17), var(l, nkv, 0.23), var(tq, nkv, 0.41), var(tq, nkv, 0.53));
+        let sparse = att
+            .attend_blocks(&q, &kc, &vc, &kb, &vb, &block_sparse_mask(l, &anchors, b).unwrap(), b)
+            .unwrap();
+        let k = Tensor::cat(&[kc.as_tensor(), kb.as_tensor()], 0).unwrap();
+        let v = Tensor::cat(&[vc.as_tensor(), vb.as_tensor()], 0).unwrap();
+        let dense = att.attend(&q, &k, &v, Some(&block_mask(l, &anchors, b).unwrap())).unwrap();
+        let w = Tensor::from_vec(
+            (0..tq * nh * hd).map(|i| (i as f32 * 0.77).cos()).collect(),
+            (tq, nh * hd),
+            &dev,
+        )
+        .unwrap();
+        let gs = (&sparse * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        let gd = (&dense * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let close = |a: Vec<f32>, b: Vec<f32>, what: &str| {
+            assert_eq!(a.len(), b.len(), "{what}");
+            for (x, y) in a.iter().zip(&b) {
+                assert!((x - y).abs() < 1e-5, "{what}: {x} vs {y}");
+            }
+        };
+        close(flat(&sparse), flat(&dense), "values");
+        for (name, x) in [("q", &q), ("kc", &kc), ("vc", &vc), ("kb", &kb), ("vb", &vb)] {
+            close(flat(gs.get(x.as_tensor()).unwrap()), flat(gd.get(x.as_tensor()).unwrap()), name);
+        }
+        assert!(att.attend_blocks(&q, &kc, &vc, &kb, &vb, &block_mask(l, &anchors, b).unwrap(), b).is_err());
     }
 
     #[test]

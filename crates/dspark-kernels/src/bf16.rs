@@ -316,16 +316,24 @@ pub fn matmul_on(p: Bf16Path, a: Mat, b: Mat) -> Vec<f32> {
         }
         let (m, k, n) = (a.rows, a.cols, b.cols);
         let kp = k.div_ceil(2);
-        let mut c = vec![0f32; m * n];
         if m == 0 || n == 0 || k == 0 {
-            return c;
+            return vec![0f32; m * n];
         }
         if p == Bf16Path::Amx {
             let (kq, mq, tq) = amx::padded(m, kp, n);
             let (ap, bp) = rayon::join(|| pack_a(a, kp, kq, mq), || pack_b(b, kp, kq, tq));
-            amx::matmul(&ap, &bp, m, kq, n, &mut c);
-            return c;
+            // Every element is written by a tile store: zeroing C first (tens of MB a product)
+            // was a tenth of a SmolLM2 training step in `memset`.
+            let mut c: Vec<std::mem::MaybeUninit<f32>> = Vec::with_capacity(m * n);
+            // SAFETY: MaybeUninit elements need no initialisation.
+            unsafe { c.set_len(m * n) };
+            amx::matmul(&ap, &bp, m, kq, n, c.as_mut_ptr() as *mut f32);
+            let mut c = std::mem::ManuallyDrop::new(c);
+            // SAFETY: `amx::matmul` wrote every (row < m, column < n) element; same allocation,
+            // length and capacity, and f32 has MaybeUninit<f32>'s layout.
+            return unsafe { Vec::from_raw_parts(c.as_mut_ptr() as *mut f32, c.len(), c.capacity()) };
         }
+        let mut c = vec![0f32; m * n];
         let (ap, bp) = rayon::join(|| pack_a(a, kp, kp, m), || pack_b(b, kp, kp, n.div_ceil(NT)));
         let col_tasks = n.div_ceil(NC);
         // At least 8 tasks so that two threads balance, rows split in multiples of MR.
@@ -380,10 +388,11 @@ mod amx {
 
     /// `C` from `a` (`mq × kq` words) and `b` (`tq` tiles of `kq × 16` words) packed to
     /// [`padded`]'s sizes.
-    pub fn matmul(a: &[u32], b: &[u32], m: usize, kq: usize, n: usize, c: &mut [f32]) {
+    /// Writes every element of the row-major `m × n` output at `c`.
+    pub fn matmul(a: &[u32], b: &[u32], m: usize, kq: usize, n: usize, c: *mut f32) {
         let (mq, tq) = (a.len() / kq, b.len() / (kq * NT));
         let (row_blocks, col_groups) = (mq / (2 * T), (tq / 2).div_ceil(PAIRS));
-        let out = OutPtr(c.as_mut_ptr());
+        let out = OutPtr(c);
         (0..row_blocks * col_groups).into_par_iter().for_each(|task| {
             let (rb, cg) = (task / col_groups, task % col_groups);
             let out = &out;
@@ -391,7 +400,7 @@ mod amx {
             // padded operands cover every tile read; the task writes only its own rows and
             // columns of C, below m and n.
             unsafe {
-                block(&a, &b, kq, m, n, rb * 2 * T, cg * PAIRS * 2..((cg + 1) * PAIRS * 2).min(tq), out.0)
+                block(a, b, kq, m, n, rb * 2 * T, cg * PAIRS * 2..((cg + 1) * PAIRS * 2).min(tq), out.0)
             };
         });
     }
