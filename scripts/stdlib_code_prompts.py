@@ -21,7 +21,7 @@ from pathlib import Path
 # Packages that are tests, GUIs, or code generators: their docstrings describe the test suite or
 # a widget, not a function someone would ask to be written.
 SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip",
-             "site-packages", "dist-packages", "pydoc_data", "__pycache__", "config-3"}
+             "site-packages", "dist-packages", "pydoc_data", "__pycache__"}
 
 TEMPLATES = [
     "Write a Python function `{sig}`.\n\n{doc}",
@@ -89,7 +89,8 @@ def main() -> int:
     rng = random.Random(a.seed)
     seen, out = set(), []
     for path in sorted(root.rglob("*.py")):
-        if SKIP_DIRS.intersection(path.relative_to(root).parts[:-1]) or path.name.startswith("test_"):
+        parts = path.relative_to(root).parts[:-1]
+        if SKIP_DIRS.intersection(parts) or any(p.startswith("config-") for p in parts) or path.name.startswith("test_"):
             continue
         for p in prompts_of(path, rng):
             if p not in seen:

@@ -34,9 +34,9 @@ pub enum DataCmd {
         /// or two programming words; see `is_code_prompt`) for a code model's drafter.
         #[arg(long, value_parser = ["code"])]
         topic: Option<String>,
-        /// Take the candidates from this JSONL file's `prompt` fields (for example
-        /// `scripts/stdlib_code_prompts.py`'s) instead of ShareGPT's first turns; the same
-        /// benchmark filter applies.
+        /// Take the candidates from this JSONL file's `prompt` (or `question`, `problem`, `text`)
+        /// fields, for example `scripts/stdlib_code_prompts.py`'s, instead of ShareGPT's first
+        /// turns; the same benchmark filter applies.
         #[arg(long = "from", conflicts_with = "topic")]
         from: Option<PathBuf>,
         /// Keep the prompts already in --out, in their order (answers and feature caches made
@@ -167,6 +167,10 @@ pub fn run(cmd: DataCmd) -> Result<()> {
                 std::fs::File::create(&out)
             };
             let mut f = std::io::BufWriter::new(file.with_context(|| format!("writing {}", out.display()))?);
+            // A file whose last line lacks its newline would run into the first new prompt.
+            if append && std::fs::read(&out).is_ok_and(|b| b.last().is_some_and(|&c| c != b'\n')) {
+                writeln!(f)?;
+            }
             for p in &kept {
                 writeln!(f, "{}", serde_json::json!({ "prompt": p }))?;
             }

@@ -26,6 +26,9 @@ fn appended_prompts_follow_the_existing_ones_without_duplicates_or_benchmark_pro
     let (out, from) = (dir.path().join("train.jsonl"), dir.path().join("more.jsonl"));
     let existing = ["Write a Rust function that reverses a linked list.", "How do I read a CSV file in Go?"];
     write_prompts(&out, &existing);
+    // A last line without its newline (an editor's save) must not swallow the first new prompt.
+    let text = std::fs::read_to_string(&out).unwrap();
+    std::fs::write(&out, text.trim_end()).unwrap();
     let mbpp = bench_prompts("mbpp-test.jsonl", "text", 1).remove(0);
     let new = [
         "Implement `heapify(x)` in Python. Transform list into a heap, in-place, in O(len(x)) time.",

@@ -54,7 +54,9 @@ unsafe fn range_f<F: Fmt, const AMX: bool>(
     out: *mut f32,
     ldo: usize,
 ) {
-    let mut scratch = AmxScratch { b: [0; GROUP * 16], c: [0; 16 * 16 * 16] };
+    // 20 KiB the VNNI instantiation never touches: neither zeroed nor pointed at there.
+    let mut store = std::mem::MaybeUninit::<AmxScratch>::uninit();
+    let scratch: *mut AmxScratch = if AMX { store.as_mut_ptr() } else { std::ptr::null_mut() };
     // Row passes of equal size: 12 rows are two passes of 6, not 8 + 4.
     let per = x.rows.div_ceil(x.rows.div_ceil(MAX_R));
     let mut r0 = 0;
@@ -69,7 +71,7 @@ unsafe fn range_f<F: Fmt, const AMX: bool>(
             amx::configure(rt, if F::SCALES == ScaleKind::K6 { 16 } else { 32 });
         }
         for t in t0..t1 {
-            let a = &mut scratch;
+            let a = scratch;
             macro_rules! go {
                 ($r:literal) => {
                     if tiles {
@@ -185,7 +187,7 @@ unsafe fn tile<F: Fmt, const R: usize, const AMX: bool>(
     out: *mut f32,
     ldo: usize,
     prefetch: bool,
-    amx: &mut AmxScratch,
+    amx: *mut AmxScratch,
 ) {
     let groups = w.groups();
     let lda = x.nbp * QK;
@@ -320,7 +322,9 @@ struct AmxScratch {
 /// tiles, so that the tile unit works while the previous sums are stored, and the float
 /// epilogue reads them after.
 #[inline(always)]
-unsafe fn amx_group<F: Fmt>(s: &mut AmxScratch, w: &PackedMatrix, rec: *const u8, a: *const u8, lda: usize) {
+unsafe fn amx_group<F: Fmt>(s: *mut AmxScratch, w: &PackedMatrix, rec: *const u8, a: *const u8, lda: usize) {
+    // Raw places only: the scratch is uninitialised until these writes and the tile stores.
+    let sb = std::ptr::addr_of_mut!((*s).b) as *mut u8;
     let kb = if F::SCALES == ScaleKind::K6 { 16 } else { 32 };
     // B is a block's chunk vectors, 64 bytes each: a record's layout is the tile's.
     let b = if F::INTS == Ints::Byte {
@@ -328,13 +332,13 @@ unsafe fn amx_group<F: Fmt>(s: &mut AmxScratch, w: &PackedMatrix, rec: *const u8
     } else {
         for v in 0..GROUP / 8 {
             let (lo, hi) = unpack::<F>(w, rec, v);
-            let o = s.b.as_mut_ptr().add(2 * v * 64);
+            let o = sb.add(2 * v * 64);
             _mm512_store_si512(o as *mut _, lo);
             _mm512_store_si512(o.add(64) as *mut _, hi);
         }
-        s.b.as_ptr()
+        sb as *const u8
     };
-    let c = s.c.as_mut_ptr();
+    let c = std::ptr::addr_of_mut!((*s).c) as *mut i32;
     for j in (0..GROUP / kb).step_by(2) {
         amx::product2(a.add(j * kb), lda, b.add(j * kb * 16), c.add(j * 256), kb);
     }
@@ -345,7 +349,7 @@ unsafe fn amx_group<F: Fmt>(s: &mut AmxScratch, w: &PackedMatrix, rec: *const u8
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn block<F: Fmt, const R: usize, const AMX: bool>(
-    s: &mut AmxScratch,
+    s: *mut AmxScratch,
     w: &PackedMatrix,
     rec: *const u8,
     ch0: usize,
@@ -358,7 +362,8 @@ unsafe fn block<F: Fmt, const R: usize, const AMX: bool>(
     if !AMX {
         return dots::<F, R>(w, rec, ch0, n, a, lda, p, q);
     }
-    let c = s.c.as_ptr().add(ch0 / n * 256);
+    // The group's tile products wrote these sums (`amx_group`).
+    let c = (std::ptr::addr_of!((*s).c) as *const i32).add(ch0 / n * 256);
     for r in 0..R {
         p[r] = _mm512_load_si512(c.add(16 * r) as *const _);
     }
