@@ -239,6 +239,111 @@ impl candle_core::CustomOp2 for Precomputed {
     }
 }
 
+/// Batched `op(a) · op(b)` for training (`a`: `(n, m, k)`, or `(n, k, m)` read transposed when
+/// `ta`; `b`: `(n, k, p)`, or `(n, p, k)` when `tb`): the attention's score and value products,
+/// in bf16 with f32 sums where the CPU has them (as [`matmul_t`]), candle's f32 matmul where it
+/// does not or where nothing needs a gradient.
+pub fn bmm(a: &Tensor, ta: bool, b: &Tensor, tb: bool) -> Result<Tensor> {
+    let cpu_f32_3d = |t: &Tensor| t.rank() == 3 && t.dtype() == DType::F32 && t.device().is_cpu();
+    if !(a.track_op() || b.track_op())
+        || !(cpu_f32_3d(a) && cpu_f32_3d(b))
+        || !dspark_kernels::bf16::available()
+    {
+        let a = if ta { a.transpose(1, 2)? } else { a.clone() };
+        let b = if tb { b.transpose(1, 2)? } else { b.clone() };
+        return a.matmul(&b);
+    }
+    a.contiguous()?.apply_op2(&b.contiguous()?, Bmm { ta, tb })
+}
+
+/// [`bmm`]'s op: values from [`batched`], gradients by the same products.
+struct Bmm {
+    ta: bool,
+    tb: bool,
+}
+
+/// `op(a[i]) · op(b[i])` for every i of two contiguous `(n, ·, ·)` value arrays, bf16 products.
+fn batched(
+    a: &[f32],
+    ad: (usize, usize, usize),
+    ta: bool,
+    b: &[f32],
+    bd: (usize, usize, usize),
+    tb: bool,
+) -> Result<(Vec<f32>, candle_core::Shape)> {
+    let (n, ar, ac) = ad;
+    let (n2, br, bc) = bd;
+    let ((m, k), (k2, p)) = (if ta { (ac, ar) } else { (ar, ac) }, if tb { (bc, br) } else { (br, bc) });
+    if n != n2 || k != k2 {
+        candle_core::bail!("bmm: batches {n} and {n2}, inner sizes {k} and {k2}");
+    }
+    let mut out = Vec::with_capacity(n * m * p);
+    for i in 0..n {
+        let am = Mat::new(&a[i * ar * ac..(i + 1) * ar * ac], ar, ac);
+        let bm = Mat::new(&b[i * br * bc..(i + 1) * br * bc], br, bc);
+        out.extend(dspark_kernels::bf16::matmul(if ta { am.t() } else { am }, if tb { bm.t() } else { bm }));
+    }
+    Ok((out, (n, m, p).into()))
+}
+
+fn values3(t: &Tensor) -> Result<(Vec<f32>, (usize, usize, usize))> {
+    Ok((t.contiguous()?.flatten_all()?.to_vec1::<f32>()?, t.dims3()?))
+}
+
+impl candle_core::CustomOp2 for Bmm {
+    fn name(&self) -> &'static str {
+        "bf16-bmm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &candle_core::CpuStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CpuStorage,
+        l2: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let (candle_core::CpuStorage::F32(v1), candle_core::CpuStorage::F32(v2)) = (s1, s2) else {
+            candle_core::bail!("bmm takes f32 tensors");
+        };
+        let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
+            candle_core::bail!("bmm takes contiguous tensors");
+        };
+        let (d1, d2) = (l1.shape().dims3()?, l2.shape().dims3()?);
+        let (c, shape) = batched(&v1[a0..a1], d1, self.ta, &v2[b0..b1], d2, self.tb)?;
+        Ok((candle_core::CpuStorage::F32(c), shape))
+    }
+
+    /// `C = op(A)·op(B)`: `∂op(A) = G·op(B)ᵀ` and `∂op(B) = op(A)ᵀ·G`, transposed back where
+    /// the operand was read transposed.
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        _: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let ((av, ad), (bv, bd), (gv, gd)) = (values3(a)?, values3(b)?, values3(g)?);
+        let tensor = |(v, s): (Vec<f32>, candle_core::Shape)| Tensor::from_vec(v, s, &Device::Cpu);
+        let ga = if !a.track_op() {
+            None
+        } else if self.ta {
+            // ∂A = op(B)·Gᵀ
+            Some(tensor(batched(&bv, bd, self.tb, &gv, gd, true)?)?)
+        } else {
+            Some(tensor(batched(&gv, gd, false, &bv, bd, !self.tb)?)?)
+        };
+        let gb = if !b.track_op() {
+            None
+        } else if self.tb {
+            // ∂B = Gᵀ·op(A)
+            Some(tensor(batched(&gv, gd, true, &av, ad, self.ta)?)?)
+        } else {
+            Some(tensor(batched(&av, ad, !self.ta, &gv, gd, false)?)?)
+        };
+        Ok((ga, gb))
+    }
+}
+
 /// A scalar with value `value` whose gradient with respect to `arg` is `grad` (same shape as
 /// `arg`): how a loss differentiated by hand enters candle's backward pass.
 pub fn with_gradient(arg: &Tensor, value: f32, grad: Tensor) -> Result<Tensor> {
@@ -514,12 +619,12 @@ impl Attention {
         let qh = q.transpose(0, 1)?.contiguous()?; // (heads, A·b, hd)
         let (kc, vc, kb, vb) = (expand(kc)?, expand(vc)?, expand(kb)?, expand(vb)?);
         let per_block = |x: &Tensor| x.reshape((nh * a, b, hd));
-        let sc = qh.matmul(&kc.t()?)?; // (heads, A·b, L)
+        let sc = bmm(&qh, false, &kc, true)?; // (heads, A·b, L)
         let sb = per_block(&qh)?.matmul(&per_block(&kb)?.t()?)?.reshape((nh, tq, b))?;
         let p = scaled_masked_softmax(&Tensor::cat(&[&sc, &sb], 2)?, Some(mask), 1.0 / (hd as f64).sqrt())?;
         let pc = p.narrow(2, 0, l)?.contiguous()?;
         let pb = p.narrow(2, l, b)?.contiguous()?.reshape((nh * a, b, b))?;
-        let out = (pc.matmul(&vc)? + pb.matmul(&per_block(&vb)?)?.reshape((nh, tq, hd))?)?;
+        let out = (bmm(&pc, false, &vc, false)? + pb.matmul(&per_block(&vb)?)?.reshape((nh, tq, hd))?)?;
         out.transpose(0, 1)?.reshape((tq, nh * hd))
     }
 
@@ -749,6 +854,44 @@ mod tests {
         assert_eq!(flat(&y), vec![0.0; 8]);
     }
 
+    /// The batched bf16 product in all four transposition cases against candle's f32 matmul of
+    /// the same bf16-rounded values: value and both gradients.
+    #[test]
+    fn bmm_matches_candle_in_every_layout() {
+        use candle_core::Var;
+        let dev = Device::Cpu;
+        let (n, m, k, p) = (3, 5, 7, 4);
+        let round = |v: Vec<f32>| -> Vec<f32> {
+            v.into_iter().map(|x| dspark_kernels::bf16::from_bf16(dspark_kernels::bf16::to_bf16(x))).collect()
+        };
+        let vals = |len: usize, s: f32| round((0..len).map(|i| ((i as f32 + 1.0) * s).sin()).collect());
+        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+            let ashape = if ta { (n, k, m) } else { (n, m, k) };
+            let bshape = if tb { (n, p, k) } else { (n, k, p) };
+            let a = Var::from_vec(vals(n * m * k, 0.37), ashape, &dev).unwrap();
+            let b = Var::from_vec(vals(n * k * p, 0.53), bshape, &dev).unwrap();
+            let w = Tensor::from_vec(vals(n * m * p, 0.91), (n, m, p), &dev).unwrap();
+            let fast = bmm(&a, ta, &b, tb).unwrap();
+            let oa = if ta { a.transpose(1, 2).unwrap() } else { a.as_tensor().clone() };
+            let ob = if tb { b.transpose(1, 2).unwrap() } else { b.as_tensor().clone() };
+            let slow = oa.matmul(&ob).unwrap();
+            let gf = (&fast * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let gs = (&slow * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let close = |x: Vec<f32>, y: Vec<f32>, what: &str| {
+                assert_eq!(x.len(), y.len(), "{what}");
+                // The gradients' G is rounded to bf16 in the fast path only: 2⁻⁸ relative.
+                for (u, v) in x.iter().zip(&y) {
+                    assert!((u - v).abs() < 2e-2, "({ta}, {tb}) {what}: {u} vs {v}");
+                }
+            };
+            assert_eq!(fast.dims(), slow.dims());
+            close(flat(&fast), flat(&slow), "value");
+            close(flat(gf.get(a.as_tensor()).unwrap()), flat(gs.get(a.as_tensor()).unwrap()), "∂a");
+            close(flat(gf.get(b.as_tensor()).unwrap()), flat(gs.get(b.as_tensor()).unwrap()), "∂b");
+        }
+    }
+
     /// The training attention without the masked columns against the dense one with
     /// `block_mask`: values and the gradients of every input, grouped heads, context rows that
     /// see nothing (an anchor at 0) included.
@@ -794,13 +937,20 @@ mod tests {
         let gs = (&sparse * &w).unwrap().sum_all().unwrap().backward().unwrap();
         let gd = (&dense * &w).unwrap().sum_all().unwrap().backward().unwrap();
         let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        // The sparse form's score and value products are bf16 where the CPU has them, the dense
+        // form's f32: a few 2⁻⁹ apart then, 1e-5 otherwise.
+        let tol = if dspark_kernels::bf16::available() { 1e-2 } else { 1e-5 };
         let close = |a: Vec<f32>, b: Vec<f32>, what: &str| {
             assert_eq!(a.len(), b.len(), "{what}");
             for (x, y) in a.iter().zip(&b) {
-                assert!((x - y).abs() < 1e-5, "{what}: {x} vs {y}");
+                assert!((x - y).abs() < tol, "{what}: {x} vs {y}");
             }
         };
         close(flat(&sparse), flat(&dense), "values");
+        // And the tolerance tells a wrong mask apart: every block seeing every block differs.
+        let leaky = att.attend(&q, &k, &v, None).unwrap();
+        let gap = flat(&sparse).iter().zip(flat(&leaky)).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(gap > 10.0 * tol, "an unmasked attention came within {gap}");
         for (name, x) in [("q", &q), ("kc", &kc), ("vc", &vc), ("kb", &kb), ("vb", &vb)] {
             close(flat(gs.get(x.as_tensor()).unwrap()), flat(gd.get(x.as_tensor()).unwrap()), name);
         }
