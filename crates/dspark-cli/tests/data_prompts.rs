@@ -38,16 +38,19 @@ fn appended_prompts_follow_the_existing_ones_without_duplicates_or_benchmark_pro
         "Write a Python class `Counter` that counts hashable items and reports the most common.",
     ];
     write_prompts(&from, &new);
-    let run = dspark(&[
-        "data",
-        "prompts",
-        "--from",
-        from.to_str().unwrap(),
-        "--append",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let append = || {
+        let run = dspark(&[
+            "data",
+            "prompts",
+            "--from",
+            from.to_str().unwrap(),
+            "--append",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    };
+    append();
     let got = prompts_of(&out);
     assert_eq!(got[..2], existing.map(String::from), "the existing prompts keep their places");
     let mut added = got[2..].to_vec();
@@ -57,16 +60,7 @@ fn appended_prompts_follow_the_existing_ones_without_duplicates_or_benchmark_pro
     assert_eq!(added, want, "only the two new, non-benchmark prompts are appended");
 
     // Appending the same candidates again adds nothing.
-    let again = dspark(&[
-        "data",
-        "prompts",
-        "--from",
-        from.to_str().unwrap(),
-        "--append",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    assert!(again.status.success());
+    append();
     assert_eq!(prompts_of(&out).len(), 4);
 }
 

@@ -375,25 +375,16 @@ unsafe fn block<F: Fmt, const R: usize, const AMX: bool>(
 mod amx {
     use std::arch::asm;
 
-    #[repr(C, align(64))]
-    struct Config {
-        palette: u8,
-        start_row: u8,
-        reserved: [u8; 14],
-        colsb: [u16; 16],
-        rows: [u8; 16],
-    }
-
     /// Shapes the tiles for `rows` activation rows and blocks of `kb` bytes: two products at a
     /// time, on tiles 0–2 and 3–5.
     pub unsafe fn configure(rows: usize, kb: usize) {
-        let mut c = Config { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
+        let mut c = crate::x86::TileShapes::default();
         for t in [0, 3] {
-            (c.colsb[t], c.rows[t]) = (kb as u16, rows as u8);
-            (c.colsb[t + 1], c.rows[t + 1]) = (64, (kb / 4) as u8);
-            (c.colsb[t + 2], c.rows[t + 2]) = (64, rows as u8);
+            c.set(t, rows, kb);
+            c.set(t + 1, kb / 4, 64);
+            c.set(t + 2, rows, 64);
         }
-        asm!("ldtilecfg [{0}]", in(reg) &c as *const Config, options(nostack, readonly));
+        c.load();
     }
 
     /// Two consecutive blocks: `c[r][n] = Σ_k a[r][k]·b[k / 4][4n + k % 4]` over the configured

@@ -369,15 +369,6 @@ mod amx {
     const PAIRS: usize = 4;
 
     #[repr(C, align(64))]
-    struct Config {
-        palette: u8,
-        start_row: u8,
-        reserved: [u8; 14],
-        colsb: [u16; 16],
-        rows: [u8; 16],
-    }
-
-    #[repr(C, align(64))]
     struct Tile([f32; T * T]);
 
     /// Pairs along k, rows of A and column tiles of B, padded to whole tiles (rows and column
@@ -417,11 +408,11 @@ mod amx {
         tiles: std::ops::Range<usize>,
         c: *mut f32,
     ) {
-        let mut cfg = Config { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
+        let mut cfg = crate::x86::TileShapes::default();
         for t in 0..8 {
-            (cfg.colsb[t], cfg.rows[t]) = (64, T as u8);
+            cfg.set(t, T, 64);
         }
-        asm!("ldtilecfg [{0}]", in(reg) &cfg as *const Config, options(nostack, readonly));
+        cfg.load();
         let lda = kq * 4;
         let mut buf = Tile([0.0; T * T]);
         for t0 in tiles.step_by(2) {

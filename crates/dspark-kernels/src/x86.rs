@@ -95,3 +95,33 @@ pub unsafe fn prefetch_part(rec: *const u8, size: usize, part: usize, parts: usi
         _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * l) as *const i8);
     }
 }
+
+/// The shapes of AMX's tiles (palette 1): per tile, its rows and bytes per row.
+#[derive(Default)]
+pub struct TileShapes {
+    rows: [u8; 16],
+    colsb: [u16; 16],
+}
+
+impl TileShapes {
+    pub fn set(&mut self, tile: usize, rows: usize, bytes: usize) {
+        (self.rows[tile], self.colsb[tile]) = (rows as u8, bytes as u16);
+    }
+
+    /// Configures this thread's tiles (`ldtilecfg`).
+    ///
+    /// # Safety
+    /// The CPU must have AMX-TILE with the tile state granted to the process.
+    pub unsafe fn load(&self) {
+        #[repr(C, align(64))]
+        struct Config {
+            palette: u8,
+            start_row: u8,
+            reserved: [u8; 14],
+            colsb: [u16; 16],
+            rows: [u8; 16],
+        }
+        let c = Config { palette: 1, start_row: 0, reserved: [0; 14], colsb: self.colsb, rows: self.rows };
+        std::arch::asm!("ldtilecfg [{0}]", in(reg) &c as *const Config, options(nostack, readonly));
+    }
+}
