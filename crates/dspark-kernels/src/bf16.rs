@@ -76,21 +76,30 @@ impl Bf16Path {
 }
 
 /// The path of this process: AMX where the CPU has AMX-BF16 and Linux grants the tile state,
-/// else AVX-512-BF16, else portable. `DSPARK_TRAIN_MATMUL=avx512` keeps AMX out (A/B runs).
+/// else AVX-512-BF16, else portable (and portable with `DSPARK_TRAIN_MATMUL=f32`, where callers
+/// take f32 products instead). `DSPARK_TRAIN_MATMUL=avx512` keeps AMX out (A/B runs).
 pub fn path() -> Bf16Path {
     static PATH: std::sync::OnceLock<Bf16Path> = std::sync::OnceLock::new();
     *PATH.get_or_init(|| {
-        if !simd() {
+        if !available() {
             return Bf16Path::Portable;
         }
-        #[cfg(target_arch = "x86_64")]
-        if std::env::var("DSPARK_TRAIN_MATMUL").map_or(true, |v| v != "avx512")
-            && crate::path::amx_with(1 << 22)
-        {
+        if std::env::var("DSPARK_TRAIN_MATMUL").map_or(true, |v| v != "avx512") && amx() {
             return Bf16Path::Amx;
         }
         Bf16Path::Avx512
     })
+}
+
+/// AMX-BF16 with the tile state granted, asked once (CPUID traps to a hypervisor).
+fn amx() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static AMX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *AMX.get_or_init(|| simd() && crate::path::amx_with(1 << 22))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 fn simd() -> bool {
@@ -307,7 +316,7 @@ pub fn matmul_on(p: Bf16Path, a: Mat, b: Mat) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
     {
         let usable = match p {
-            Bf16Path::Amx => simd() && crate::path::amx_with(1 << 22),
+            Bf16Path::Amx => amx(),
             Bf16Path::Avx512 => simd(),
             Bf16Path::Portable => false,
         };
@@ -605,7 +614,7 @@ mod tests {
             eprintln!("skipped: this CPU has no AVX-512-BF16 (the portable path is the definition)");
             return;
         }
-        let amx = crate::path::amx_with(1 << 22);
+        let amx = amx();
         if !amx {
             eprintln!("skipped the AMX-BF16 path: this CPU lacks it");
         }
@@ -648,6 +657,11 @@ mod tests {
                 let mut want = vec![0u32; m.rows * kp];
                 pack_a_portable(m, kp, kp, &mut want);
                 assert_eq!(pack_a(m, kp, kp, m.rows), want, "A {r}×{c} transposed {}", m.transposed);
+                // AMX's padded layout: longer rows and more of them, the padding zero.
+                let (ld, rows) = (kp + 5, m.rows + 3);
+                let mut want = vec![0u32; rows * ld];
+                pack_a_portable(m, kp, ld, &mut want);
+                assert_eq!(pack_a(m, kp, ld, rows), want, "padded A {r}×{c} transposed {}", m.transposed);
                 let kp = m.rows.div_ceil(2);
                 let mut want = vec![0u32; m.cols.div_ceil(NT) * kp * NT];
                 pack_b_portable(m, kp, kp, &mut want);
@@ -657,6 +671,10 @@ mod tests {
                     "B {r}×{c} transposed {}",
                     m.transposed
                 );
+                let (ld, tiles) = (kp + 3, m.cols.div_ceil(NT) + 2);
+                let mut want = vec![0u32; tiles * ld * NT];
+                pack_b_portable(m, kp, ld, &mut want);
+                assert_eq!(pack_b(m, kp, ld, tiles), want, "padded B {r}×{c} transposed {}", m.transposed);
             }
         }
     }

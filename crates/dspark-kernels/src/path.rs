@@ -104,7 +104,9 @@ pub fn kernel_path() -> KernelPath {
 /// Whether the CPU has AMX-TILE and AMX-INT8 and Linux let this process use the tile state.
 #[cfg(target_arch = "x86_64")]
 fn amx_granted() -> bool {
-    amx_with(1 << 25)
+    // Asked once: `available()` runs per product, and CPUID traps to a hypervisor.
+    static AMX_INT8: OnceLock<bool> = OnceLock::new();
+    *AMX_INT8.get_or_init(|| amx_with(1 << 25))
 }
 
 /// Whether the CPU has AMX-TILE and the AMX extensions in `edx_bits` (CPUID leaf 7's EDX:
