@@ -433,24 +433,25 @@ impl Worker {
     }
 
     fn retire(&self, running: &mut Vec<Seq<'_>>, gone: impl Fn(&Seq<'_>) -> bool) {
-        running.retain_mut(|s| {
-            if !gone(s) {
-                return true;
-            }
+        let (mut done, kept): (Vec<_>, Vec<_>) = running.drain(..).partition(|s| gone(s));
+        *running = kept;
+        // Every counter changes before a client hears `Done`, and the running count last: whoever
+        // reads `/metrics` after an answer ends, or once nothing runs, sees the request counted
+        // and its memory released.
+        let cancelled = done.iter().filter(|s| s.finish.is_none() && s.abandoned()).count();
+        self.shared.cancelled.fetch_add(cancelled as u64, Relaxed);
+        let released: usize = done.iter().map(|s| s.reserved).sum();
+        self.shared.kv_reserved_tokens.fetch_sub(released, Relaxed);
+        let used = running.iter().map(|s| s.cache.len()).sum();
+        self.shared.kv_used_tokens.store(used, Relaxed);
+        self.shared.running.store(running.len(), Relaxed);
+        for s in done.iter_mut() {
             if let (Some(finish), false) = (s.finish, s.failed) {
                 s.usage.completion_tokens = s.context.len() - s.prompt_len;
                 let usage = s.usage.clone();
                 s.send(Event::Done { finish, usage });
             }
-            if s.finish.is_none() && s.abandoned() {
-                self.shared.cancelled.fetch_add(1, Relaxed);
-            }
-            self.shared.kv_reserved_tokens.fetch_sub(s.reserved, Relaxed);
-            false
-        });
-        self.shared.running.store(running.len(), Relaxed);
-        let used = running.iter().map(|s| s.cache.len()).sum();
-        self.shared.kv_used_tokens.store(used, Relaxed);
+        }
     }
 
     /// Admits queued requests in arrival order while there is room in the running set and the
