@@ -81,6 +81,10 @@ pub enum BenchCmd {
         /// Timed rounds per case (the median is reported).
         #[arg(long, default_value_t = 15)]
         reps: usize,
+        /// Drafting methods to time, comma-separated, among dflash, dspark-markov, dspark-rnn and
+        /// eagle3 (all by default); one method alone is what a profiler wants.
+        #[arg(long, value_delimiter = ',', default_value = "dflash,dspark-markov,dspark-rnn,eagle3")]
+        methods: Vec<String>,
         #[arg(long)]
         json: bool,
     },
@@ -101,8 +105,8 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             forward(&model, context, reps, json, prefill)
         }
         BenchCmd::Kernels { reps, training } => kernels(reps, training),
-        BenchCmd::Draft { model, context, gammas, vocabs, layers, intermediate, reps, json } => {
-            draft(&model, context, &gammas, &vocabs, (layers, intermediate), reps, json)
+        BenchCmd::Draft { model, context, gammas, vocabs, layers, intermediate, reps, methods, json } => {
+            draft(&model, context, &gammas, &vocabs, (layers, intermediate), (reps, &methods), json)
         }
         BenchCmd::Decode { model, prompts, n, max_tokens, temperature, skip, spec } => {
             decode(&model, prompts.as_deref(), n, max_tokens, temperature, skip, &spec)
@@ -217,7 +221,7 @@ fn draft(
     gammas: &[usize],
     vocabs: &[String],
     (layers, intermediate): (usize, Option<usize>),
-    reps: usize,
+    (reps, only): (usize, &[String]),
     json: bool,
 ) -> Result<()> {
     use dspark_drafter_models::{HeadKind, InitOptions, Method};
@@ -255,6 +259,10 @@ fn draft(
         ("dspark-rnn", Method::Dspark, HeadKind::Rnn),
         ("eagle3", Method::Eagle3, HeadKind::Markov),
     ];
+    if let Some(bad) = only.iter().find(|m| !methods.iter().any(|(l, ..)| l == m)) {
+        bail!("--methods: `{bad}` is not one of dflash, dspark-markov, dspark-rnn, eagle3");
+    }
+    let methods: Vec<_> = methods.into_iter().filter(|(l, ..)| only.iter().any(|m| m == l)).collect();
     let greedy = dspark_sampling::SamplingParams::default();
     let mut rows = Vec::new();
     let mut feats: std::collections::HashMap<Vec<usize>, TargetFeatures> = Default::default();

@@ -15,22 +15,87 @@ pub struct Linear {
     /// An 8-bit copy of `weight` for drafting: f32 weights make drafting memory-bound (see
     /// `dspark bench draft`); training never sets it.
     fast: Option<Arc<QLinear>>,
+    /// The weight in 8-bit panels instead of `fast` for a product this thin (the sequential
+    /// heads' rank-32 `W2`, one row per drafted position): the Q8_0 kernels pay a fixed cost per
+    /// output row and per 32-wide block, which at `in` = 32 is most of the work. See [`Panels`].
+    thin: Option<Arc<Panels>>,
+}
+
+/// Widest input that drafts through [`Linear::thin`] rather than 8-bit kernels.
+const THIN_IN: usize = 64;
+
+/// Outputs per panel: four AVX2 registers of sums, leaving registers for the conversions.
+const PANEL: usize = 32;
+
+/// `W` `(out, in)` in 8 bits, one scale per output row, as panels of [`PANEL`] outputs, each
+/// stored input by input (`in × PANEL`, outputs padded with zeros): a one-row product reads the
+/// weights once, front to back, with a panel's sums in registers, and at `in` = 32 and 8 192
+/// outputs the whole weight (256 KB) stays in L2. Transposed f32 rows instead (`y += x_j · Wᵀ_j`)
+/// re-read and re-write the output once per input and stream 1 MB: 3–4× slower.
+#[derive(Debug)]
+struct Panels {
+    data: Vec<i8>,
+    scale: Vec<f32>,
+    inp: usize,
+    out: usize,
+}
+
+impl Panels {
+    fn new(w: &[f32], out: usize, inp: usize) -> Self {
+        let np = out.div_ceil(PANEL);
+        let mut data = vec![0i8; np * inp * PANEL];
+        let mut scale = vec![0f32; np * PANEL];
+        for o in 0..out {
+            let row = &w[o * inp..(o + 1) * inp];
+            let s = row.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+            scale[o] = s;
+            let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+            let (p, t) = (o / PANEL, o % PANEL);
+            for (j, v) in row.iter().enumerate() {
+                data[(p * inp + j) * PANEL + t] = (v * inv).round() as i8;
+            }
+        }
+        Self { data, scale, inp, out }
+    }
+
+    /// `y += x · Wᵀ` for one row, `y` of length `out`.
+    fn row(&self, x: &[f32], y: &mut [f32]) {
+        for (p, panel) in self.data.chunks_exact(self.inp * PANEL).enumerate() {
+            let mut acc = [0f32; PANEL];
+            for (&xj, w) in x.iter().zip(panel.chunks_exact(PANEL)) {
+                for (a, &wv) in acc.iter_mut().zip(w) {
+                    *a = xj.mul_add(f32::from(wv), *a);
+                }
+            }
+            let o = p * PANEL;
+            let n = PANEL.min(self.out - o);
+            for ((v, a), s) in y[o..o + n].iter_mut().zip(&acc).zip(&self.scale[o..]) {
+                *v += a * s;
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for Linear {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Linear{:?}{}", self.weight.dims(), if self.fast.is_some() { " (q8)" } else { "" })
+        let kind = if self.fast.is_some() || self.thin.is_some() { " (q8)" } else { "" };
+        write!(f, "Linear{:?}{kind}", self.weight.dims())
     }
 }
 
 impl Linear {
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Self { weight, bias, fast: None }
+        Self { weight, bias, fast: None, thin: None }
     }
 
-    /// Drafts through an 8-bit copy of the weight (our Q8_0 kernels) from now on.
+    /// Drafts through an 8-bit copy of the weight (our Q8_0 kernels) from now on, or through an
+    /// f32 transposed copy where the input is too narrow for those to pay ([`THIN_IN`]).
     pub fn quantize(&mut self) -> Result<()> {
-        if self.weight.dim(1)? % 32 == 0 {
+        if self.weight.dim(1)? <= THIN_IN {
+            let (out, inp) = self.weight.dims2()?;
+            let w = self.weight.flatten_all()?.to_vec1::<f32>()?;
+            self.thin = Some(Arc::new(Panels::new(&w, out, inp)));
+        } else if self.weight.dim(1)? % 32 == 0 {
             let q = QTensor::quantize(&self.weight, GgmlDType::Q8_0)?;
             self.fast = Some(Arc::new(QLinear::from_qtensor(q, KernelChoice::from_env())?));
         }
@@ -362,6 +427,17 @@ impl Linear {
     /// [`Self::forward`] on `rows` rows given as plain values: drafting's sequential loop, where
     /// a tensor per op would cost more than the arithmetic of a 1-row product.
     pub fn forward_vec(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        if let Some(p) = &self.thin {
+            let mut y = vec![0f32; rows * p.out];
+            if let Some(b) = &self.bias {
+                let b = b.to_vec1::<f32>()?;
+                y.chunks_mut(p.out).for_each(|row| row.copy_from_slice(&b));
+            }
+            for (xr, yr) in x.chunks_exact(p.inp).zip(y.chunks_mut(p.out)) {
+                p.row(xr, yr);
+            }
+            return Ok(y);
+        }
         let Some(q) = &self.fast else {
             let t = Tensor::from_slice(x, (rows, x.len() / rows.max(1)), &Device::Cpu)?;
             return self.forward(&t)?.flatten_all()?.to_vec1::<f32>();
@@ -724,6 +800,34 @@ pub fn causal_mask(tq: usize, past: usize, device: &Device) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Drafting's products after `quantize` equal the f32 definition within 8-bit rounding, on
+    /// the thin panels (rank 32 with a bias, a full panel, a ragged one) and the Q8_0 kernels.
+    #[test]
+    fn drafting_products_match_the_f32_forward() {
+        let dev = Device::Cpu;
+        let vals = |n: usize, s: f32| (0..n).map(|i| ((i as f32 + 1.0) * s).sin()).collect::<Vec<_>>();
+        for (out, inp, tol) in [(300, 32, 2e-2), (64, 64, 2e-2), (40, 7, 2e-2), (50, 128, 3e-2)] {
+            let w = Tensor::from_vec(vals(out * inp, 0.37), (out, inp), &dev).unwrap();
+            let b = Tensor::from_vec(vals(out, 1.1), out, &dev).unwrap();
+            let x = vals(3 * inp, 0.53);
+            let want = Linear::new(w.clone(), Some(b.clone()))
+                .forward(&Tensor::from_slice(&x, (3, inp), &dev).unwrap())
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let mut l = Linear::new(w, Some(b));
+            l.quantize().unwrap();
+            assert_eq!(l.thin.is_some(), inp <= THIN_IN);
+            let got = l.forward_vec(&x, 3).unwrap();
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (g, w) in got.iter().zip(&want) {
+                assert!((g - w).abs() <= tol * scale, "in {inp}: {g} vs {w}");
+            }
+        }
+    }
 
     /// Drafting's graph-free attention equals the differentiable one (grouped heads, a mask).
     #[test]
