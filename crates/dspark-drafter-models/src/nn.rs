@@ -89,7 +89,7 @@ impl Linear {
     }
 
     /// Drafts through an 8-bit copy of the weight (our Q8_0 kernels) from now on, or through an
-    /// f32 transposed copy where the input is too narrow for those to pay ([`THIN_IN`]).
+    /// 8-bit [`Panels`] copy where the input is too narrow for those to pay ([`THIN_IN`]).
     pub fn quantize(&mut self) -> Result<()> {
         if self.weight.dim(1)? <= THIN_IN {
             let (out, inp) = self.weight.dims2()?;
