@@ -110,7 +110,37 @@ impl SamplingParams {
     }
 }
 
+/// The first index of the largest value (NaNs never win, except a NaN at index 0, which nothing
+/// beats: the running-best definition, [`argmax_scan`]). Two passes that vectorise, a lane-wise
+/// maximum and then the first position equal to it, in place of one branch per element: greedy
+/// verification takes it over the whole vocabulary for every verified position, and a drafter
+/// once per drafted one (7 × 8 192 a SmolLM2 round, ~6 % of it with the branchy loop).
 pub fn argmax(logits: &[f32]) -> usize {
+    const LANES: usize = 16;
+    match logits.first() {
+        None => return 0,
+        Some(v) if v.is_nan() => return 0,
+        _ => {}
+    }
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            // `f32::max` keeps the non-NaN side; written as a select so that it vectorises.
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    let max = tail.iter().chain(&lanes).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    // All values NaN or −∞ past index 0: the running best never moves off index 0.
+    if max == f32::NEG_INFINITY || max <= logits[0] {
+        return 0;
+    }
+    logits.iter().position(|&v| v == max).unwrap_or(0)
+}
+
+/// The running-best definition of [`argmax`], one comparison per element.
+pub fn argmax_scan(logits: &[f32]) -> usize {
     let mut best = 0;
     for (i, &v) in logits.iter().enumerate() {
         if v > logits[best] {
@@ -169,6 +199,27 @@ mod tests {
     fn greedy_is_one_hot_on_the_first_maximum() {
         let p = SamplingParams::default().distribution(&[1.0, 3.0, 3.0, -1.0]);
         assert_eq!(p, vec![0.0, 1.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn argmax_is_the_running_best() {
+        let mut rng = StdRng::seed_from_u64(7);
+        let specials = [f32::NAN, f32::NEG_INFINITY, f32::INFINITY, 0.0, -0.0, 1.0];
+        for len in [0usize, 1, 2, 15, 16, 17, 33, 100, 8192] {
+            for _ in 0..200 {
+                // Few distinct values, so that ties and specials are common.
+                let v: Vec<f32> = (0..len)
+                    .map(|_| match rng.random_range(0..10) {
+                        0 => specials[rng.random_range(0..specials.len())],
+                        _ => rng.random_range(-3i32..3) as f32,
+                    })
+                    .collect();
+                assert_eq!(argmax(&v), argmax_scan(&v), "{v:?}");
+            }
+        }
+        assert_eq!(argmax(&[f32::NAN, 5.0, 9.0]), 0);
+        assert_eq!(argmax(&[f32::NEG_INFINITY, f32::NAN, f32::NEG_INFINITY]), 0);
+        assert_eq!(argmax(&[1.0, f32::NAN, 3.0, 3.0]), 2);
     }
 
     #[test]
