@@ -24,26 +24,33 @@ pub struct Linear {
 /// Widest input that drafts through [`Linear::thin`] rather than 8-bit kernels.
 const THIN_IN: usize = 64;
 
-/// Outputs per panel: four AVX2 registers of sums, leaving registers for the conversions.
+/// Outputs per panel: four AVX2 registers of sums.
 const PANEL: usize = 32;
 
 /// `W` `(out, in)` in 8 bits, one scale per output row, as panels of [`PANEL`] outputs, each
-/// stored input by input (`in × PANEL`, outputs padded with zeros): a one-row product reads the
-/// weights once, front to back, with a panel's sums in registers, and at `in` = 32 and 8 192
-/// outputs the whole weight (256 KB) stays in L2. Transposed f32 rows instead (`y += x_j · Wᵀ_j`)
-/// re-read and re-write the output once per input and stream 1 MB: 3–4× slower.
+/// stored by pairs of inputs (`in/2 × PANEL × 2`, as i16, outputs padded with zeros): a one-row
+/// product reads the weights once, front to back, with a panel's sums in registers, and at `in`
+/// = 32 and 8 192 outputs the whole weight (512 KB) stays in L2. The row `x` is quantized to i16
+/// (one scale) so that a pair of inputs and 32 outputs is four `vpmaddwd`: converting 8-bit
+/// weights to f32 instead costs two operations per weight and bounded the loop at a third of
+/// that rate. Transposed f32 rows (`y += x_j · Wᵀ_j`) re-read and re-write the output once per
+/// input and were 3–4× slower still.
 #[derive(Debug)]
 struct Panels {
-    data: Vec<i8>,
+    /// Per panel, per input pair `j`: `[w(o, 2j), w(o, 2j+1)]` for its outputs `o`.
+    data: Vec<i16>,
     scale: Vec<f32>,
     inp: usize,
+    /// `inp` rounded up to a pair.
+    inp2: usize,
     out: usize,
 }
 
 impl Panels {
     fn new(w: &[f32], out: usize, inp: usize) -> Self {
         let np = out.div_ceil(PANEL);
-        let mut data = vec![0i8; np * inp * PANEL];
+        let inp2 = inp.next_multiple_of(2);
+        let mut data = vec![0i16; np * inp2 * PANEL];
         let mut scale = vec![0f32; np * PANEL];
         for o in 0..out {
             let row = &w[o * inp..(o + 1) * inp];
@@ -52,87 +59,83 @@ impl Panels {
             let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
             let (p, t) = (o / PANEL, o % PANEL);
             for (j, v) in row.iter().enumerate() {
-                data[(p * inp + j) * PANEL + t] = (v * inv).round() as i8;
+                data[(p * inp2 + (j & !1)) * PANEL + 2 * t + (j & 1)] = (v * inv).round() as i16;
             }
         }
-        Self { data, scale, inp, out }
+        Self { data, scale, inp, inp2, out }
     }
 
     /// `y += x · Wᵀ` for one row, `y` of length `out`.
     fn row(&self, x: &[f32], y: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            // SAFETY: the features were just detected.
-            unsafe { self.row_avx2(x, y) };
-            return;
+        // The row in i16, one scale: 15 bits keep its rounding (≤ 2⁻¹⁵ of its largest value)
+        // far below the weights' 8 bits; sums of `in` ≤ 64 products of 127 · 32 767 fit i32.
+        let amax = x[..self.inp].iter().fold(0f32, |m, v| m.max(v.abs()));
+        let sx = amax / 32767.0;
+        let inv = if sx > 0.0 { 1.0 / sx } else { 0.0 };
+        let mut xq = vec![0i16; self.inp2];
+        for (q, &v) in xq.iter_mut().zip(&x[..self.inp]) {
+            *q = (v * inv).round() as i16;
         }
-        for (p, panel) in self.data.chunks_exact(self.inp * PANEL).enumerate() {
-            let mut acc = [0f32; PANEL];
-            for (&xj, w) in x.iter().zip(panel.chunks_exact(PANEL)) {
-                for (a, &wv) in acc.iter_mut().zip(w) {
-                    *a = xj.mul_add(f32::from(wv), *a);
+        let np = self.data.len() / (self.inp2 * PANEL);
+        let mut acc = vec![0i32; np * PANEL];
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 was just detected.
+            unsafe { self.sums_avx2(&xq, &mut acc) };
+        } else {
+            self.sums(&xq, &mut acc);
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        self.sums(&xq, &mut acc);
+        for ((v, &a), s) in y.iter_mut().zip(&acc).zip(&self.scale) {
+            *v += a as f32 * (s * sx);
+        }
+    }
+
+    /// The integer sums `acc[o] = Σ_j xq[j] · w(o, j)`, panel by panel.
+    fn sums(&self, xq: &[i16], acc: &mut [i32]) {
+        let stride = self.inp2 * PANEL;
+        for (panel, acc) in self.data.chunks_exact(stride).zip(acc.chunks_exact_mut(PANEL)) {
+            for (x, w) in xq.chunks_exact(2).zip(panel.chunks_exact(2 * PANEL)) {
+                for (a, w) in acc.iter_mut().zip(w.chunks_exact(2)) {
+                    *a += i32::from(x[0]) * i32::from(w[0]) + i32::from(x[1]) * i32::from(w[1]);
                 }
             }
-            self.finish(p, &acc, y);
         }
     }
 
-    /// Scales panel `p`'s sums into `y`.
-    fn finish(&self, p: usize, acc: &[f32; PANEL], y: &mut [f32]) {
-        let o = p * PANEL;
-        let n = PANEL.min(self.out - o);
-        for ((v, a), s) in y[o..o + n].iter_mut().zip(acc).zip(&self.scale[o..]) {
-            *v += a * s;
-        }
-    }
-
-    /// [`Self::row`] two panels per pass over `x`: one panel's sums are four chains of dependent
-    /// multiply-adds, so its loop waits on their latency; two panels' eight chains keep both FMA
-    /// ports busy. (Written out because the compiler, given two panels' arrays, keeps them in
-    /// memory and goes scalar: 6× slower than one panel.)
+    /// [`Self::sums`] two panels per pass over `x` (eight independent chains of `vpmaddwd` and
+    /// adds, where one panel's four would wait on their latency). Integer sums: the same bits.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn row_avx2(&self, x: &[f32], y: &mut [f32]) {
+    #[target_feature(enable = "avx2")]
+    unsafe fn sums_avx2(&self, xq: &[i16], acc: &mut [i32]) {
         use std::arch::x86_64::*;
-        let stride = self.inp * PANEL;
+        let stride = self.inp2 * PANEL;
         let np = self.data.len() / stride;
-        assert!(x.len() >= self.inp);
-        // Eight sign-extended, converted weights from `ptr`.
-        #[inline(always)]
-        unsafe fn w8(ptr: *const i8) -> __m256 {
-            unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(ptr as *const __m128i))) }
-        }
+        assert!(xq.len() == self.inp2 && acc.len() == np * PANEL);
         let mut p = 0;
         while p < np {
             let two = p + 1 < np;
-            let a = self.data[p * stride..].as_ptr();
-            let b = if two { self.data[(p + 1) * stride..].as_ptr() } else { a };
-            let mut s = [_mm256_setzero_ps(); 8];
-            for (j, &xj) in x[..self.inp].iter().enumerate() {
-                let xv = _mm256_set1_ps(xj);
-                // SAFETY: `j·PANEL + 24 + 8 ≤ stride` bytes inside panels `p` and `p + 1`.
+            let a = self.data[p * stride..].as_ptr() as *const __m256i;
+            let b = if two { self.data[(p + 1) * stride..].as_ptr() as *const __m256i } else { a };
+            let mut s = [_mm256_setzero_si256(); 8];
+            for (j, x) in xq.chunks_exact(2).enumerate() {
+                let xv = _mm256_set1_epi32((x[0] as u16 as i32) | ((x[1] as i32) << 16));
+                // SAFETY: input pair `j` of a panel is 4 registers at `4j` inside panels `p`
+                // and `p + 1` (`b` is `a` when there is no `p + 1`).
                 unsafe {
-                    let (pa, pb) = (a.add(j * PANEL), b.add(j * PANEL));
-                    s[0] = _mm256_fmadd_ps(xv, w8(pa), s[0]);
-                    s[1] = _mm256_fmadd_ps(xv, w8(pa.add(8)), s[1]);
-                    s[2] = _mm256_fmadd_ps(xv, w8(pa.add(16)), s[2]);
-                    s[3] = _mm256_fmadd_ps(xv, w8(pa.add(24)), s[3]);
-                    s[4] = _mm256_fmadd_ps(xv, w8(pb), s[4]);
-                    s[5] = _mm256_fmadd_ps(xv, w8(pb.add(8)), s[5]);
-                    s[6] = _mm256_fmadd_ps(xv, w8(pb.add(16)), s[6]);
-                    s[7] = _mm256_fmadd_ps(xv, w8(pb.add(24)), s[7]);
+                    let (pa, pb) = (a.add(4 * j), b.add(4 * j));
+                    for r in 0..4 {
+                        s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_loadu_si256(pa.add(r)), xv));
+                        s[4 + r] =
+                            _mm256_add_epi32(s[4 + r], _mm256_madd_epi16(_mm256_loadu_si256(pb.add(r)), xv));
+                    }
                 }
             }
-            let mut acc = [[0f32; PANEL]; 2];
-            for (q, acc) in acc.iter_mut().enumerate() {
-                for (r, chunk) in acc.chunks_exact_mut(8).enumerate() {
-                    // SAFETY: `chunk` holds eight f32s.
-                    unsafe { _mm256_storeu_ps(chunk.as_mut_ptr(), s[q * 4 + r]) };
-                }
-            }
-            self.finish(p, &acc[0], y);
-            if two {
-                self.finish(p + 1, &acc[1], y);
+            let n = if two { 8 } else { 4 };
+            for (r, v) in s.iter().enumerate().take(n) {
+                // SAFETY: register r holds outputs `p·PANEL + 8r ..+ 8`, inside `acc`.
+                unsafe { _mm256_storeu_si256(acc[p * PANEL + 8 * r..].as_mut_ptr() as *mut __m256i, *v) };
             }
             p += 2;
         }
