@@ -6,7 +6,8 @@ thousands more in the same domain (write a function or class that does what its 
 says) from text every machine already has. Only the prompts are written (JSONL `{"prompt": …}`);
 the target answers them itself (`dspark data regenerate`), and `dspark data prompts --from FILE
 --append` filters them against every benchmark before they join a training prompt file. The
-standard library's docstrings are under the PSF licence; nothing derived from them is committed.
+standard library's docstrings are under the PSF licence; the prompts are not committed, the answers the
+target gave them are (data/train/README.md, with the licence notice).
 
 Usage: scripts/stdlib_code_prompts.py OUT.jsonl [--seed 0]
 """

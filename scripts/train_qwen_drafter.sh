@@ -34,6 +34,11 @@ if [ ! -f "$W/stdlib-prompts.jsonl" ]; then
   $D data prompts --from "$W/stdlib-prompts.jsonl.part" --append --out "$W/code-prompts.jsonl"
   mv "$W/stdlib-prompts.jsonl.part" "$W/stdlib-prompts.jsonl"
 fi
+# 1c. Answers earlier sessions regenerated, committed (data/train/README.md) because a new machine
+#     keeps nothing but the repository: a fresh answers file starts from them, `regenerate` skips
+#     their prompts, and step 2 recomputes their features.
+A=data/train/$T-answers.jsonl
+[ -f "$W/qwen-code-regen.jsonl" ] || { [ -f "$A" ] && cp "$A" "$W/qwen-code-regen.jsonl"; } || true
 regen=(-m $T --prompts "$W/code-prompts.jsonl" --out "$W/qwen-code-regen.jsonl"
        --max-tokens 384 --batch 32 --features "$W/qwen-features" --max-len 512)
 $D data regenerate "${regen[@]}" --n "$SAMPLES"
