@@ -221,8 +221,8 @@ fn quantize_row(
 
 /// One block of [`quantize_row`]: `q = round_ties_even(v · id)` (saturating, NaN → 0) and the
 /// sums of its two halves. The scalar loop does not vectorise (each element's rounding,
-/// clamping and byte store stay scalar: 9 % of a SmolLM2 target forward's samples, more than
-/// the matrix products of a drafting round), so x86 with AVX2 converts eight at a time; both give
+/// clamping and byte store stay scalar: 9 % of a SmolLM2 `bench draft` process's samples, most
+/// of them in target forwards), so x86 with AVX2 converts eight at a time; both give
 /// the same bits (`quantized_blocks_match_the_scalar_definition`).
 fn quantize_block(v: &[f32; QK], id: f32, q: &mut [i8; QK]) -> (i32, i32) {
     #[cfg(target_arch = "x86_64")]
