@@ -6,6 +6,7 @@ use clap::Args;
 use dspark_drafter_models::{BlockLayout, InitOptions, Method};
 use dspark_drafters::{DraftModel, DrafterSpec, NgramDrafter};
 use dspark_model::Model;
+use dspark_schedule::{CostTable, Policy};
 use dspark_spec::Drafter;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -55,6 +56,18 @@ pub struct DrafterArgs {
     /// either way.
     #[arg(long)]
     pub min_survival: Option<f32>,
+    /// How many of each round's drafts to verify: `fixed` (all γ), `threshold:P` (while the
+    /// predicted prefix survival is at least P; the same as `--min-survival P`), `dspark`
+    /// (DSpark's Algorithm 1: as many as pay on this machine's cost curve, which is measured in
+    /// a few seconds at start unless --profile gives one; drafting pauses while even the best
+    /// plan would be slower than plain decoding) or `dspark-async`. The last three need a
+    /// drafter with a confidence head. Default: threshold:0.3 for those drafters, fixed for the
+    /// others. Output unchanged either way.
+    #[arg(long)]
+    pub policy: Option<String>,
+    /// A cost table from `dspark profile` for `--policy dspark`, instead of measuring one.
+    #[arg(long)]
+    pub profile: Option<PathBuf>,
 }
 
 /// The survival threshold drafters with a confidence head are verified with unless told
@@ -62,9 +75,63 @@ pub struct DrafterArgs {
 pub const DEFAULT_MIN_SURVIVAL: f32 = 0.3;
 
 impl DrafterArgs {
-    /// `--min-survival`, or its default for `drafter`.
-    pub fn min_survival_for(&self, drafter: &dyn Drafter) -> f32 {
-        self.min_survival.unwrap_or(if drafter.has_confidence() { DEFAULT_MIN_SURVIVAL } else { 0.0 })
+    /// The verify policy for `drafter` (γ = `gamma`), with the cost table it plans with: read
+    /// from --profile or measured now on this machine.
+    pub fn policy_for(
+        &self,
+        target: &Model,
+        target_name: &str,
+        drafter: &mut dyn Drafter,
+        gamma: usize,
+    ) -> Result<(Policy, Option<CostTable>)> {
+        let policy = match (&self.policy, self.min_survival) {
+            (Some(_), Some(_)) => bail!("--min-survival P is --policy threshold:P: give one of the two"),
+            (Some(p), None) => p.parse::<Policy>()?,
+            (None, Some(p)) if p > 0.0 => Policy::Threshold(p),
+            (None, Some(_)) => Policy::Fixed,
+            (None, None) if drafter.has_confidence() => Policy::Threshold(DEFAULT_MIN_SURVIVAL),
+            (None, None) => Policy::Fixed,
+        };
+        if policy == Policy::Plain {
+            bail!("--policy plain drafts nothing: use --drafter none for plain decoding");
+        }
+        if policy.needs_confidence() && !drafter.has_confidence() {
+            bail!(
+                "--policy {policy} ranks drafts by predicted survival, but {} has no confidence head; \
+                 use --policy fixed or a DSpark drafter",
+                drafter.name()
+            );
+        }
+        if !matches!(policy, Policy::Dspark | Policy::DsparkAsync) {
+            return Ok((policy, None));
+        }
+        let cost = match &self.profile {
+            Some(p) => {
+                let t = CostTable::load(p)?;
+                if t.model != target_name {
+                    eprintln!("warning: {} was measured for {}, not {target_name}", p.display(), t.model);
+                }
+                t
+            }
+            None => {
+                let t0 = std::time::Instant::now();
+                let t = dspark_engine::profile_one(target, target_name, drafter, gamma, 5, |_| {})?;
+                let draft = if t.draft.is_empty() {
+                    "drafting is left to the drafter's own gate".to_string()
+                } else {
+                    format!("a drafting round {:.2}×", t.draft_s(1) / t.forward_s(1))
+                };
+                eprintln!(
+                    "cost table: a forward of {} tokens costs {:.2}× one, {draft} (measured in {:.1} s; \
+                     pass --profile FILE to reuse a table from `dspark profile`)",
+                    gamma + 1,
+                    t.forward_s(gamma + 1) / t.forward_s(1),
+                    t0.elapsed().as_secs_f64()
+                );
+                t
+            }
+        };
+        Ok((policy, Some(cost)))
     }
 
     /// The drafter and γ; `None` for plain decoding.

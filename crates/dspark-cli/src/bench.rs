@@ -551,13 +551,18 @@ fn decode(
         seed: 0,
         stop_tokens: model.tokenizer.eos().to_vec(),
     };
+    let (policy, cost) = match drafter.as_mut() {
+        Some((d, gamma)) => spec.policy_for(&model, &m.name(), d.as_mut(), *gamma)?,
+        None => (dspark_schedule::Policy::Fixed, None),
+    };
     let sp = dspark_engine::SpecParams {
         max_tokens,
         draft_len: drafter.as_ref().map_or(1, |d| d.1),
         sampling,
         seed: 0,
         stop_tokens: params.stop_tokens.clone(),
-        min_survival: drafter.as_ref().map_or(0.0, |d| spec.min_survival_for(d.0.as_ref())),
+        policy,
+        cost,
     };
     let (mut plain_tokens, mut plain_s) = (0usize, 0f64);
     let mut stats = dspark_spec::SpecStats::default();
@@ -600,6 +605,7 @@ fn decode(
         let spec_tok_s = stats.decode_tok_s();
         out["drafter"] = d.0.name().into();
         out["draft_len"] = d.1.into();
+        out["policy"] = sp.policy.to_string().into();
         out["spec_tok_s"] = spec_tok_s.into();
         out["speedup"] = (spec_tok_s / plain_tok_s).into();
         out["tau"] = stats.tau().into();
@@ -608,10 +614,11 @@ fn decode(
         out["verify_s"] = stats.verify_s.into();
         out["verify_lengths"] = stats.verify_lengths().into();
         eprintln!(
-            "plain {plain_tok_s:.1} tok/s | {} γ={} {spec_tok_s:.1} tok/s ({:.2}×), τ {:.2}, \
+            "plain {plain_tok_s:.1} tok/s | {} γ={} {} {spec_tok_s:.1} tok/s ({:.2}×), τ {:.2}, \
              acceptance per position {}\n  drafts verified per step (count:steps): {}",
             d.0.name(),
             d.1,
+            sp.policy,
             spec_tok_s / plain_tok_s,
             stats.tau(),
             stats.accept_at().iter().map(|a| format!("{a:.2}")).collect::<Vec<_>>().join(" "),

@@ -74,7 +74,8 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
             sampling: SamplingParams { temperature: a.temperature, top_k: None, top_p: None },
             seed: a.seed + i as u64,
             stop_tokens: target.tokenizer.eos().to_vec(),
-            min_survival: 0.0,
+            policy: dspark_schedule::Policy::Fixed,
+            cost: None,
         };
         generate_spec(&target, &mut rec, &prompt, &p, |_| {})?;
         bar.inc(1);

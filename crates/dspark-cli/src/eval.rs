@@ -92,7 +92,13 @@ pub fn run(a: EvalArgs) -> Result<()> {
     }
     let mut drafters = Vec::new();
     for (dname, spec) in &specs {
-        let args = DrafterArgs { drafter: spec.clone(), draft_len: Some(a.block), min_survival: Some(0.0) };
+        let args = DrafterArgs {
+            drafter: spec.clone(),
+            draft_len: Some(a.block),
+            min_survival: Some(0.0),
+            policy: None,
+            profile: None,
+        };
         let (d, mut gamma) = args
             .build(&target, &name)?
             .with_context(|| format!("{dname}: `{spec}` is plain decoding, not a drafter"))?;

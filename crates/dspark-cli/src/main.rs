@@ -171,13 +171,15 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
             (g.tokens, g.finish, Some(g.stats), None)
         }
         Some((mut d, gamma)) => {
+            let (policy, cost) = a.spec.policy_for(&model, &a.model.name(), d.as_mut(), gamma)?;
             let sp = SpecParams {
                 max_tokens: params.max_tokens,
                 draft_len: gamma,
                 sampling: params.sampling,
                 seed: params.seed,
                 stop_tokens: params.stop_tokens.clone(),
-                min_survival: a.spec.min_survival_for(d.as_ref()),
+                policy,
+                cost,
             };
             let r = generate_spec(&model, d.as_mut(), &prompt, &sp, &mut emit)?;
             (r.tokens, r.finish, None, Some(r.stats))

@@ -59,6 +59,8 @@ impl ServeDrafter {
                     drafter: self.drafter.clone(),
                     draft_len: self.draft_len,
                     min_survival: Some(0.0),
+                    policy: None,
+                    profile: None,
                 };
                 let (d, gamma) = args.build(target, target_name)?.expect("not plain decoding");
                 let name = d.name();

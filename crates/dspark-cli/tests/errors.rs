@@ -125,6 +125,10 @@ fn hostile_numbers_and_files_get_clear_errors() {
         "exceeds the model's context of 8192",
     );
     run(gen(&["--drafter", "ngram", "--min-survival", "NaN"]), "--min-survival must be between 0 and 1");
+    run(gen(&["--drafter", "ngram", "--policy", "dspark"]), "has no confidence head");
+    run(gen(&["--drafter", "ngram", "--policy", "sometimes"]), "sometimes");
+    run(gen(&["--drafter", "ngram", "--policy", "plain"]), "use --drafter none");
+    run(gen(&["--drafter", "ngram", "--policy", "fixed", "--min-survival", "0.2"]), "give one of the two");
     fails_with(&["init-drafter", "--block", "100000", "--out", "/nonexistent/d"], "block_size is 100000");
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_dspark"))
         .args(gen(&["--drafter", "none"]))

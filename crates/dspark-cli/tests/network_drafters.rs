@@ -75,19 +75,60 @@ fn greedy_repeating_dspark_accepts_whole_blocks_and_matches_plain_output() {
     let (got, tau) = spec(&m, d.as_mut(), &prompt, 40, 4);
     assert_eq!(got, want);
     assert!(tau > 1.05, "τ {tau}: the repeating drafter should be accepted on the repeated words");
-    // Verifying only confident prefixes changes what is verified, never the output.
-    for threshold in [0.2f32, 0.6, 0.95] {
+    // Verifying only confident prefixes, or only what pays on a cost curve (cheap verification,
+    // where Algorithm 1 verifies much; dear, where it stops drafting; this machine's, measured),
+    // changes what is verified, never the output.
+    let table = |per_token: f64, draft: f64| dspark_schedule::CostTable {
+        model: "tiny".into(),
+        drafter: None,
+        threads: 1,
+        forward: (1..=5).map(|b| (b, 0.01 + per_token * (b - 1) as f64)).collect(),
+        draft: vec![(1, draft)],
+    };
+    let measured = dspark_engine::profile_one(&m, "tiny", d.as_mut(), 4, 2, |_| {}).unwrap();
+    assert_eq!(measured.forward.len(), 5, "forwards of 1 to γ + 1 tokens");
+    assert!(
+        measured.validate().is_ok() && measured.draft_s(1) > 0.0,
+        "a DSpark round is timed: {measured:?}"
+    );
+    use dspark_schedule::Policy;
+    let policies = [
+        (Policy::Threshold(0.2), None),
+        (Policy::Threshold(0.6), None),
+        (Policy::Threshold(0.95), None),
+        (Policy::Dspark, Some(table(0.0005, 0.001))),
+        (Policy::Dspark, Some(table(0.02, 0.005))),
+        (Policy::Dspark, Some(measured.clone())),
+        (Policy::DsparkAsync, Some(measured)),
+    ];
+    let mut verified = Vec::new();
+    for (policy, cost) in policies {
         let p = SpecParams {
             max_tokens: 40,
             draft_len: 4,
             sampling: SamplingParams::default(),
             seed: 0,
             stop_tokens: m.tokenizer.eos().to_vec(),
-            min_survival: threshold,
+            policy,
+            cost,
         };
         let r = dspark_engine::generate(&m, d.as_mut(), &prompt, &p, |_| {}).unwrap();
-        assert_eq!(r.tokens, want, "min_survival {threshold}");
+        assert_eq!(r.tokens, want, "policy {policy}");
+        verified.push(r.stats.verified_len.iter().enumerate().map(|(k, n)| k * n).sum::<usize>());
     }
+    // The plan follows the table: where a verified token costs twice a forward, nothing pays.
+    assert!(verified[3] > 0 && verified[4] < verified[3], "drafts verified per policy: {verified:?}");
+    let p = SpecParams {
+        max_tokens: 4,
+        draft_len: 4,
+        sampling: SamplingParams::default(),
+        seed: 0,
+        stop_tokens: vec![],
+        policy: Policy::Dspark,
+        cost: None,
+    };
+    let e = dspark_engine::generate(&m, d.as_mut(), &prompt, &p, |_| {}).unwrap_err().to_string();
+    assert!(e.contains("cost table"), "{e}");
 }
 
 /// Sampled drafting from a fixed context, many times: the first draft's empirical distribution

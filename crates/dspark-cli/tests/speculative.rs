@@ -160,7 +160,8 @@ fn sampled_speculative_runs_repeat_with_the_same_seed() {
         sampling: SamplingParams { temperature: 0.8, top_k: Some(40), top_p: Some(0.9) },
         seed: 7,
         stop_tokens: m.tokenizer.eos().to_vec(),
-        min_survival: 0.0,
+        policy: dspark_schedule::Policy::Fixed,
+        cost: None,
     };
     let path = common::model("smollm2-135m");
     let mut d = DraftModel::new(Model::load(&path).unwrap(), "self", &m).unwrap();
@@ -229,7 +230,8 @@ fn auto_stops_asking_a_drafter_that_does_not_pay_and_keeps_the_output() {
             sampling: SamplingParams::default(),
             seed: 0,
             stop_tokens: m.tokenizer.eos().to_vec(),
-            min_survival: 0.0,
+            policy: dspark_schedule::Policy::Fixed,
+            cost: None,
         };
         let r = generate_spec(&m, &mut d, &prompt, &p, |_| {}).unwrap();
         assert_eq!(r.tokens, want);

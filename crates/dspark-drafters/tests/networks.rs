@@ -356,7 +356,8 @@ fn run_rounds(t: &Arc<Model>, d: &mut dyn Drafter, max_tokens: usize) -> (Vec<u3
         sampling: SamplingParams { temperature: 0.9, top_k: None, top_p: None },
         seed: 5,
         stop_tokens: vec![],
-        min_survival: 0.0,
+        policy: dspark_schedule::Policy::Fixed,
+        cost: None,
     };
     let prompt: Vec<u32> = vec![94, 3, 17, 60, 22, 8, 45];
     let mut w = Watch { d, context: vec![], accepted: 0 };

@@ -58,7 +58,8 @@ fn public_drafters_propose_the_official_drafts_and_keep_greedy_output() {
         sampling: SamplingParams::default(),
         seed: 0,
         stop_tokens: Vec::new(),
-        min_survival: 0.0,
+        policy: dspark_schedule::Policy::Fixed,
+        cost: None,
     };
     let mut plain: Option<Vec<u32>> = None;
     for (variant, model, drafts_key) in [

@@ -26,6 +26,10 @@ pub enum SpecError {
     DraftLen,
     #[error("min_survival must be between 0 and 1 (got {0})")]
     MinSurvival(f32),
+    #[error("policy {0} plans with the machine's cost table: measure one with `profile_one` (or `dspark profile`)")]
+    NoCostTable(Policy),
+    #[error("policy plain drafts nothing: decode without a drafter instead")]
+    Plain,
 }
 
 pub type Result<T> = std::result::Result<T, SpecError>;
@@ -38,11 +42,14 @@ pub struct SpecParams {
     pub sampling: SamplingParams,
     pub seed: u64,
     pub stop_tokens: Vec<u32>,
-    /// Verify only the drafts whose predicted prefix survival (the product of the drafter's
-    /// confidences) stays at or above this (the `threshold` policy); 0 verifies every draft
-    /// (`fixed`). The cut depends only on the drafter's own outputs, so the output
-    /// distribution is unchanged.
-    pub min_survival: f32,
+    /// How many of each round's drafts are verified: all (`Fixed`), those whose predicted prefix
+    /// survival (the product of the drafter's confidences) stays at or above a threshold
+    /// (`Threshold`), or as many as pay on the machine's cost curve (`Dspark`, Algorithm 1 with
+    /// its draft/no-draft gate, and `DsparkAsync`). Each cut depends only on the drafter's own
+    /// outputs, so the output distribution is unchanged.
+    pub policy: Policy,
+    /// The cost table `Dspark` and `DsparkAsync` plan with ([`crate::profile_one`]).
+    pub cost: Option<CostTable>,
 }
 
 #[derive(Debug, Clone)]
@@ -63,16 +70,18 @@ pub fn generate(
     if p.draft_len == 0 {
         return Err(SpecError::DraftLen);
     }
-    if !(0.0..=1.0).contains(&p.min_survival) {
-        return Err(SpecError::MinSurvival(p.min_survival));
-    }
+    let cost = match p.policy {
+        Policy::Plain => return Err(SpecError::Plain),
+        Policy::Threshold(t) if !(0.0..=1.0).contains(&t) => return Err(SpecError::MinSurvival(t)),
+        Policy::Dspark | Policy::DsparkAsync => p.cost.clone().ok_or(SpecError::NoCostTable(p.policy))?,
+        // Neither of the others weighs costs.
+        _ => CostTable { model: String::new(), drafter: None, threads: 1, forward: vec![], draft: vec![] },
+    };
     p.sampling.validate()?;
     dspark_decode::check_prompt(target, prompt)?;
-    let policy = if p.min_survival > 0.0 { Policy::Threshold(p.min_survival) } else { Policy::Fixed };
     let config = EngineConfig {
-        policy,
-        // Neither policy weighs costs.
-        cost: CostTable { model: String::new(), drafter: None, threads: 1, forward: vec![], draft: vec![] },
+        policy: p.policy,
+        cost,
         draft_len: p.draft_len,
         max_running: 1,
         max_queue: 1,

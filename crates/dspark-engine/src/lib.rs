@@ -13,5 +13,5 @@ pub use dspark_decode::FinishReason;
 pub use engine::{log_probs, prefill_plan, RowCost};
 pub use engine::{spawn, EngineConfig, EngineDrafter, EngineHandle, Shared, StepError};
 pub use generate::{generate, SpecError, SpecParams, SpecRun};
-pub use profile::profile;
+pub use profile::{profile, profile_one};
 pub use request::{Event, Request, RequestParams, SubmitError, TokenLogprob, Usage, MAX_TOP_LOGPROBS};

@@ -47,7 +47,8 @@ fn run_spec(
         sampling: cfg.sampling,
         seed,
         stop_tokens: target.tokenizer.eos().to_vec(),
-        min_survival: 0.0,
+        policy: dspark_schedule::Policy::Fixed,
+        cost: None,
     };
     match (rounds, &d.temps) {
         (Some(out), Some(temps)) => {

@@ -82,7 +82,8 @@ pub fn spec(
         sampling: SamplingParams::default(),
         seed: 0,
         stop_tokens: m.tokenizer.eos().to_vec(),
-        min_survival: 0.0,
+        policy: dspark_schedule::Policy::Fixed,
+        cost: None,
     };
     let r = generate_spec(m, d, prompt, &p, |_| {}).unwrap();
     (r.tokens, r.stats.tau())
