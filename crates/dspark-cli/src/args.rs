@@ -115,7 +115,7 @@ impl DrafterArgs {
             }
             None => {
                 let t0 = std::time::Instant::now();
-                let t = dspark_engine::profile_one(target, target_name, drafter, gamma, 5, |_| {})?;
+                let t = dspark_engine::profile_one(target, target_name, drafter, gamma, 7, |_| {})?;
                 let draft = if t.draft.is_empty() {
                     "drafting is left to the drafter's own gate".to_string()
                 } else {

@@ -124,7 +124,9 @@ fn context(target: &Model, taps: &TapSpec) -> Result<(Vec<u32>, KvCache, TargetF
     Ok((tokens, cache, features))
 }
 
-/// Median seconds of one forward over each of `sizes` new tokens after the cached context.
+/// Median seconds of one forward over each of `sizes` new tokens after the cached context. The
+/// sizes take turns within each repetition, so that a drift in the machine's speed (another
+/// process, the clock) spreads over all of them instead of bending the curve.
 fn forward_times(
     target: &Model,
     cache: &mut KvCache,
@@ -134,22 +136,22 @@ fn forward_times(
     reps: usize,
     progress: &mut impl FnMut(&str),
 ) -> Result<Vec<(usize, f64)>, DraftError> {
-    let mut forward = Vec::new();
-    for &b in sizes {
-        let mut times = Vec::new();
-        for _ in 0..reps.max(1) {
+    let mut times = vec![Vec::new(); sizes.len()];
+    for _ in 0..reps.max(1) {
+        for (&b, t_b) in sizes.iter().zip(&mut times) {
             let block = &tokens[CONTEXT..CONTEXT + b];
             let rows: Vec<usize> = (0..b).collect();
             let tap_rows = if taps.layers.is_empty() { Vec::new() } else { rows.clone() };
             let t = Instant::now();
             let mut seq = [SeqInput { cache: &mut *cache, tokens: block, logit_rows: rows, tap_rows }];
             target.forward(&mut seq, taps)?;
-            times.push(t.elapsed().as_secs_f64());
+            t_b.push(t.elapsed().as_secs_f64());
             cache.truncate(CONTEXT)?;
         }
-        let s = median(times);
+    }
+    let forward: Vec<(usize, f64)> = sizes.iter().zip(times).map(|(&b, t)| (b, median(t))).collect();
+    for &(b, s) in &forward {
         progress(&format!("forward B={b:<3} {:8.2} ms", s * 1e3));
-        forward.push((b, s));
     }
     Ok(forward)
 }
