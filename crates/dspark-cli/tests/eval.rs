@@ -92,7 +92,7 @@ fn a_small_run_over_the_nine_benchmarks_writes_files_that_parse() {
     let out = dir.path().join("eval");
     let drafter = format!(
         "dspark=dspark:{}/../../drafters/smollm2-135m-dspark-markov,ngram=ngram",
-        env!("CARGO_MANIFEST_DIR")
+        std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR for tests")
     );
     let o = common::dspark(&[
         "eval",

@@ -10,7 +10,11 @@ use std::path::{Path, PathBuf};
 const TARGET: &str = "smollm2-135m";
 
 fn shipped(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../drafters").join(name)
+    std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR for tests"),
+    )
+    .join("../../drafters")
+    .join(name)
 }
 
 fn trace(drafter: &Path, prompt: &str) -> Value {

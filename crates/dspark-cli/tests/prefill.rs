@@ -162,7 +162,10 @@ fn quantile(xs: &mut [f64], q: f64) -> f64 {
 fn bench_inter_token_latency_during_a_long_prefill() {
     let t = target();
     let chunk = std::env::var("DSPARK_PREFILL_CHUNK").map_or(256, |v| v.parse().unwrap());
-    let table = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/serve/smollm2-135m-cost.json");
+    let table = PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR for tests"),
+    )
+    .join("../../docs/serve/smollm2-135m-cost.json");
     let config = EngineConfig {
         policy: Policy::Dspark,
         cost: CostTable::load(&table).unwrap(),

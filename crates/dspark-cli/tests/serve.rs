@@ -371,7 +371,10 @@ fn the_official_openai_python_client_works() {
     let t = target();
     let (srv, base) = server(&t, config(Policy::Dspark));
     let (py, path) = openai_python();
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
+    let script = PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR for tests"),
+    )
+    .join("tests/openai_client.py");
     let mut cmd = std::process::Command::new(py);
     cmd.arg(&script).arg(format!("{base}/v1")).arg(MODEL);
     if let Some(p) = path {

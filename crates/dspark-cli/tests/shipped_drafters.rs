@@ -11,8 +11,10 @@ use std::sync::Arc;
 fn shipped_drafters_load_strictly() {
     let t = Arc::new(Model::load(&common::model("smollm2-135m")).unwrap());
     for name in ["dflash", "dspark-markov", "dspark-rnn", "eagle3"] {
-        let dir =
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("../../drafters/smollm2-135m-{name}"));
+        let dir = PathBuf::from(
+            std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR for tests"),
+        )
+        .join(format!("../../drafters/smollm2-135m-{name}"));
         let net = dspark_drafter_models::load(&dir, t.clone(), "smollm2-135m")
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         // Saving writes DeepSpec's names, and the saved copy loads back.

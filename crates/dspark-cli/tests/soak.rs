@@ -119,7 +119,10 @@ fn complete(base: &str, path: &str, body: &Value) -> Result<String, String> {
 #[ignore = "soak: 64 streams with random hang-ups, three storms, 2,000 sequential requests; minutes"]
 fn soak_hang_ups_storms_and_two_thousand_requests() {
     let t = Arc::new(Model::load(&common::model(MODEL)).unwrap());
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../drafters/smollm2-135m-dspark-markov");
+    let dir = PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR for tests"),
+    )
+    .join("../../drafters/smollm2-135m-dspark-markov");
     let mut net = dspark_drafter_models::load(&dir, t.clone(), MODEL).unwrap();
     net.quantize_for_inference().unwrap();
     let DrafterNet::Block(drafter) = net else { unreachable!() };

@@ -89,8 +89,10 @@ fn greedy_qwen_pair_output_is_plain_greedy_output_on_100_prompts() {
 #[ignore = "opt-in: installs the 1.1 GB Qwen2.5-Coder-1.5B; run with `cargo test --release -- --ignored`"]
 fn greedy_output_with_the_shipped_qwen_dspark_drafter_is_plain_greedy_output() {
     let m = std::sync::Arc::new(Model::load(&common::model("qwen2.5-coder-1.5b")).unwrap());
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../drafters/qwen2.5-coder-1.5b-dspark-markov");
+    let dir = std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR for tests"),
+    )
+    .join("../../drafters/qwen2.5-coder-1.5b-dspark-markov");
     let mut d = dspark_drafters::load_network_drafter(
         dspark_drafter_models::Method::Dspark,
         &dir,
@@ -257,8 +259,10 @@ fn auto_stops_asking_a_drafter_that_does_not_pay_and_keeps_the_output() {
 #[test]
 fn auto_with_the_shipped_drafter_runs_prompt_after_prompt() {
     let m = std::sync::Arc::new(Model::load(&common::model("smollm2-135m")).unwrap());
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../drafters/smollm2-135m-dspark-markov");
+    let dir = std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR for tests"),
+    )
+    .join("../../drafters/smollm2-135m-dspark-markov");
     let net = dspark_drafters::load_network_drafter(
         dspark_drafter_models::Method::Dspark,
         &dir,

@@ -14,7 +14,10 @@ const LOGITS_TOL: f32 = 1e-4;
 const HIDDEN_TOL: f32 = 2e-5;
 
 fn golden() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/golden/drafters")
+    std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR for tests"),
+    )
+    .join("../../data/golden/drafters")
 }
 
 fn json(path: &Path) -> Value {

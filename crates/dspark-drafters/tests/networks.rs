@@ -98,7 +98,10 @@ fn reference(
     let inputs = drafter_dir.join("inputs.json");
     std::fs::write(&inputs, serde_json::json!({"taps": taps, "rows": rows, "anchor": anchor}).to_string())
         .unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/reference/dspark_drafter.py");
+    let script = std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR for tests"),
+    )
+    .join("../../tests/reference/dspark_drafter.py");
     let (py, path) = numpy_python();
     let mut cmd = Command::new(py);
     if let Some(p) = path {

@@ -16,7 +16,10 @@ fn ours(m: &Model, ids: &[u32]) -> Vec<f32> {
 }
 
 fn reference(dir: &Path, ids: &[u32]) -> Vec<f32> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/reference/transformer.py");
+    let script = std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR for tests"),
+    )
+    .join("../../tests/reference/transformer.py");
     let out = Command::new("python3")
         .arg(script)
         .arg(dir)

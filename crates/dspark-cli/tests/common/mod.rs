@@ -7,7 +7,7 @@ use dspark_engine::{generate as generate_spec, SpecParams};
 use dspark_model::Model;
 use dspark_sampling::SamplingParams;
 use dspark_spec::Drafter;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output};
 
 pub fn model(name: &str) -> PathBuf {
@@ -16,7 +16,10 @@ pub fn model(name: &str) -> PathBuf {
 
 /// The repository's `data/` folder (benchmark prompts, llama.cpp goldens; see data/README.md).
 pub fn data() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data")
+    std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR for tests"),
+    )
+    .join("../../data")
 }
 
 pub fn golden(name: &str) -> Vec<serde_json::Value> {
@@ -129,7 +132,10 @@ pub fn shipped_block_drafter(t: &std::sync::Arc<Model>) -> dspark_engine::Engine
 }
 
 pub fn shipped_block_model(t: &std::sync::Arc<Model>) -> std::sync::Arc<dspark_drafter_models::BlockModel> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../drafters/smollm2-135m-dspark-markov");
+    let dir = PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR for tests"),
+    )
+    .join("../../drafters/smollm2-135m-dspark-markov");
     let mut net = dspark_drafter_models::load(&dir, t.clone(), "smollm2-135m").unwrap();
     net.quantize_for_inference().unwrap();
     match net {
