@@ -70,6 +70,20 @@ pub struct DrafterArgs {
     pub profile: Option<PathBuf>,
 }
 
+/// A cost table from `dspark profile`, with a warning where it was measured for another model
+/// or without the drafter's timings.
+pub fn load_cost_table(path: &std::path::Path, target_name: &str, drafts: bool) -> Result<CostTable> {
+    let t = CostTable::load(path)?;
+    if t.model != target_name {
+        eprintln!("warning: {} was measured for {}, not {target_name}", path.display(), t.model);
+    }
+    if drafts && t.draft.is_empty() {
+        eprintln!("warning: {} has no drafter timings; drafting is treated as free", path.display());
+    }
+    eprintln!("cost table: loaded {}", path.display());
+    Ok(t)
+}
+
 /// The survival threshold drafters with a confidence head are verified with unless told
 /// otherwise (the `threshold` policy's default).
 pub const DEFAULT_MIN_SURVIVAL: f32 = 0.3;
@@ -106,13 +120,7 @@ impl DrafterArgs {
             return Ok((policy, None));
         }
         let cost = match &self.profile {
-            Some(p) => {
-                let t = CostTable::load(p)?;
-                if t.model != target_name {
-                    eprintln!("warning: {} was measured for {}, not {target_name}", p.display(), t.model);
-                }
-                t
-            }
+            Some(p) => load_cost_table(p, target_name, true)?,
             None => {
                 let t0 = std::time::Instant::now();
                 let t = dspark_engine::profile_one(target, target_name, drafter, gamma, 7, |_| {})?;

@@ -151,17 +151,7 @@ impl EngineArgs {
         drafter: &LoadedDrafter,
     ) -> Result<CostTable> {
         match &self.profile {
-            Some(p) => {
-                let t = CostTable::load(p)?;
-                if t.model != target_name {
-                    eprintln!("warning: {} was measured for {}, not {target_name}", p.display(), t.model);
-                }
-                if drafter.is_some() && t.draft.is_empty() {
-                    eprintln!("warning: {} has no drafter timings; drafting is treated as free", p.display());
-                }
-                eprintln!("cost table: loaded {}", p.display());
-                Ok(t)
-            }
+            Some(p) => crate::args::load_cost_table(p, target_name, drafter.is_some()),
             None => {
                 let t0 = std::time::Instant::now();
                 eprintln!(
