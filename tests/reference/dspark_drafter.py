@@ -134,6 +134,7 @@ def main():
 
     head_kind, r = ext.get("head"), ext.get("head_rank", cfg.get("markov_rank", 0))
     temps = ext.get("calibration_temperatures")
+    biases = ext.get("calibration_biases")
     prev, state = anchor, np.zeros(r)
     logits, conf, toks = [], [], []
     for k in range(len(hid)):
@@ -151,7 +152,8 @@ def main():
         if "confidence_head.proj.weight" in w:
             zc = float(linear(w, "confidence_head.proj", np.concatenate([hid[k], e]))[0])
             T = temps[k] if temps else 1.0
-            conf.append(sigmoid(zc / T))
+            b = biases[k] if biases else 0.0
+            conf.append(sigmoid(zc / T + b))
         idx = int(np.argmax(lk))
         prev = int(d2t[idx])
         logits.append(lk.tolist())

@@ -6,7 +6,7 @@ use clap::Args;
 use dspark_drafters::Recorder;
 use dspark_engine::{generate as generate_spec, SpecParams};
 use dspark_sampling::SamplingParams;
-use dspark_schedule::calibration::{fit_held_out, reliability_svg, MIN_LABELS};
+use dspark_schedule::calibration::{fit_held_out, reliability_svg, Fit, Scaling, MIN_LABELS};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -14,7 +14,8 @@ use std::sync::Arc;
 pub struct CalibrateArgs {
     #[arg(long, default_value = dspark_hub::DEFAULT_MODEL)]
     target: String,
-    /// A DSpark drafter checkpoint folder; its config.json receives the temperatures.
+    /// A DSpark drafter checkpoint folder; its config.json receives the fitted temperatures
+    /// and offsets.
     #[arg(long)]
     drafter: PathBuf,
     /// Held-out prompts (JSONL with `prompt`), none of them used in training.
@@ -33,6 +34,11 @@ pub struct CalibrateArgs {
     temperature: f32,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Fit temperatures alone, as the paper's STS does (b = 0). By default each position also
+    /// gets an offset, `σ(z / T + b)`, which removes a constant over- or under-confidence that
+    /// no temperature can; either is kept only where it lowers the held-out ECE.
+    #[arg(long)]
+    no_offsets: bool,
     /// Reliability diagram (SVG); default DRAFTER/reliability.svg.
     #[arg(long)]
     plot: Option<PathBuf>,
@@ -49,8 +55,9 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
         );
     }
     let gamma = config.gamma();
-    let old: Vec<f64> =
-        config.ext().calibration_temperatures.unwrap_or_default().iter().map(|&t| t as f64).collect();
+    let e = config.ext();
+    let old =
+        Scaling::from_config(e.calibration_temperatures.as_deref(), e.calibration_biases.as_deref(), gamma);
     let spec = format!("dspark:{}", a.drafter.display());
     let mut d = dspark_drafters::load_network_drafter(
         dspark_drafter_models::Method::Dspark,
@@ -82,26 +89,50 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
     }
     bar.finish_and_clear();
     let rounds = std::mem::take(&mut rec.rounds);
-    let (temps, before, after) = fit_held_out(&rounds, gamma);
+    // The paper's STS is always fitted too, so the table shows what the offsets add.
+    let sts = fit_held_out(&rounds, gamma, false);
+    let Fit { scaling, before, after } =
+        if a.no_offsets { sts.clone() } else { fit_held_out(&rounds, gamma, true) };
     println!(
-        "{} rounds: temperatures fitted on half, ECE of prefix survival per position (20 bins) on the other half \
-         (positions with fewer than {MIN_LABELS} accepted or rejected drafts keep T = 1):",
-        rounds.len()
+        "{} rounds: fitted on half, ECE of prefix survival per position (20 bins) on the other half \
+         (positions with fewer than {MIN_LABELS} accepted or rejected drafts keep T = 1, b = 0); \
+         written: {}",
+        rounds.len(),
+        if a.no_offsets { "STS (temperatures)" } else { "STS + offsets" }
     );
-    println!("{:>8} {:>10} {:>10} {:>8}", "position", "before", "after", "T");
+    println!(
+        "{:>8} {:>10} {:>10} {:>8} {:>14} {:>8} {:>8}",
+        "position", "raw", "STS", "T", "STS + offset", "T", "b"
+    );
     for k in 0..gamma {
-        println!("{:>8} {:>9.2}% {:>9.2}% {:>8.3}", k + 1, before[k] * 100.0, after[k] * 100.0, temps[k]);
+        println!(
+            "{:>8} {:>9.2}% {:>9.2}% {:>8.3} {:>13.2}% {:>8.3} {:>8.2}",
+            k + 1,
+            before[k] * 100.0,
+            sts.after[k] * 100.0,
+            sts.scaling.temp(k),
+            after[k] * 100.0,
+            scaling.temp(k),
+            scaling.bias(k)
+        );
     }
     let path = a.drafter.join("config.json");
     let mut c = config.clone();
     let mut ext = c.ext();
-    ext.calibration_temperatures = Some(temps.iter().map(|&t| t as f32).collect());
+    ext.calibration_temperatures = Some(scaling.temps.iter().map(|&t| t as f32).collect());
+    ext.calibration_biases = Some(scaling.biases.iter().map(|&b| b as f32).collect());
     c.dspark = Some(ext);
     std::fs::write(&path, serde_json::to_string_pretty(&c)?)?;
     let plot = a.plot.unwrap_or_else(|| a.drafter.join("reliability.svg"));
-    std::fs::write(&plot, reliability_svg(&rounds, &temps, &spec))?;
-    let report = serde_json::json!({"rounds": rounds.len(), "temperatures": temps, "ece_before": before, "ece_after": after});
+    std::fs::write(&plot, reliability_svg(&rounds, &scaling, &spec))?;
+    let report = serde_json::json!({"rounds": rounds.len(), "temperatures": scaling.temps,
+        "biases": scaling.biases, "offsets": !a.no_offsets, "ece_before": before, "ece_after": after,
+        "sts_only": {"temperatures": sts.scaling.temps, "ece_after": sts.after}});
     std::fs::write(a.drafter.join("calibration.json"), serde_json::to_string_pretty(&report)?)?;
-    eprintln!("temperatures written to {}; reliability diagram {}", path.display(), plot.display());
+    eprintln!(
+        "temperatures and offsets written to {}; reliability diagram {}",
+        path.display(),
+        plot.display()
+    );
     Ok(())
 }

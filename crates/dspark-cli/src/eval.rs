@@ -102,19 +102,23 @@ pub fn run(a: EvalArgs) -> Result<()> {
         let (d, mut gamma) = args
             .build(&target, &name)?
             .with_context(|| format!("{dname}: `{spec}` is plain decoding, not a drafter"))?;
-        let (mut temps, mut sweep_max) = (None, None);
+        let (mut scaling, mut sweep_max) = (None, None);
         if let dspark_drafters::DrafterSpec::Network(method, dir) = spec.parse()? {
             let c = dspark_drafter_models::read_config(&dir)?;
             gamma = gamma.min(c.gamma());
             if c.ext().confidence {
-                let t = c.ext().calibration_temperatures.unwrap_or_default();
-                temps = Some((0..gamma).map(|k| t.get(k).map_or(1.0, |&x| x as f64)).collect());
+                let e = c.ext();
+                scaling = Some(dspark_schedule::Scaling::from_config(
+                    e.calibration_temperatures.as_deref(),
+                    e.calibration_biases.as_deref(),
+                    gamma,
+                ));
             }
             if method != dspark_drafter_models::Method::Eagle3 {
                 sweep_max = Some(c.gamma());
             }
         }
-        drafters.push(EvalDrafter { name: dname.clone(), drafter: d, gamma, temps, sweep_max });
+        drafters.push(EvalDrafter { name: dname.clone(), drafter: d, gamma, scaling, sweep_max });
     }
     let shared = dspark_hub::bench_dir()?;
     let names: Vec<String> = if a.bench == "all" {

@@ -66,7 +66,7 @@ fn tau_and_per_position_acceptance_match_a_planted_pattern() {
         name: "planted".into(),
         drafter: Box::new(planted),
         gamma: 4,
-        temps: None,
+        scaling: None,
         sweep_max: None,
     }];
     let cfg = EvalConfig { max_tokens: 30, sampling: SamplingParams::default(), seed: 0, sweep: vec![] };

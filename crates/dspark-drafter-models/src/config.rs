@@ -141,6 +141,10 @@ pub struct Extensions {
     /// Per-position temperatures of sequential temperature scaling, once fitted.
     #[serde(default)]
     pub calibration_temperatures: Option<Vec<f32>>,
+    /// Per-position offsets added after the temperature (`σ(z / T + b)`), once fitted; absent
+    /// means 0 (the paper's STS).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration_biases: Option<Vec<f32>>,
     #[serde(default)]
     pub target: Option<TargetId>,
     /// The confidence head reads `[h_k ; W1[x_{k−1}]]` (DeepSpec's `confidence_head_with_markov`)
@@ -269,6 +273,7 @@ impl DrafterConfig {
                 confidence: dspark,
                 layout: BlockLayout::Dspark,
                 calibration_temperatures: None,
+                calibration_biases: None,
                 target: None,
                 confidence_with_markov: true,
             }
@@ -370,6 +375,11 @@ impl DrafterConfig {
         if let Some(t) = self.ext().calibration_temperatures {
             if t.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
                 return bad(format!("calibration_temperatures {t:?} are not all positive and finite"));
+            }
+        }
+        if let Some(b) = self.ext().calibration_biases {
+            if b.iter().any(|x| !x.is_finite()) {
+                return bad(format!("calibration_biases {b:?} are not all finite numbers"));
             }
         }
         Ok(())

@@ -352,7 +352,8 @@ impl BlockModel {
         n: usize,
         mut choose: impl FnMut(usize, &[f32]) -> Result<usize>,
     ) -> Result<DraftTrace> {
-        let temps = self.config.ext().calibration_temperatures;
+        let ext = self.config.ext();
+        let (temps, biases) = (ext.calibration_temperatures, ext.calibration_biases);
         let mut out = DraftTrace {
             confidence: self.confidence.as_ref().map(|_| Vec::new()),
             confidence_logits: self.confidence.as_ref().map(|_| Vec::new()),
@@ -397,7 +398,8 @@ impl BlockModel {
                 }
                 let z = proj.forward_vec(&input, 1)?[0];
                 let t = temps.as_ref().and_then(|t| t.get(k)).copied().unwrap_or(1.0);
-                out.confidence.get_or_insert_with(Vec::new).push(1.0 / (1.0 + (-z / t).exp()));
+                let b = biases.as_ref().and_then(|b| b.get(k)).copied().unwrap_or(0.0);
+                out.confidence.get_or_insert_with(Vec::new).push(1.0 / (1.0 + (-(z / t + b)).exp()));
                 out.confidence_logits.get_or_insert_with(Vec::new).push(z);
             }
             let idx = choose(k, &row)?;

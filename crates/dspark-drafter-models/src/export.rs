@@ -9,6 +9,7 @@
 //! | ours | written as | read by the official code? |
 //! |---|---|---|
 //! | per-position confidence temperatures | `dspark_calibration_temperatures` | no: it uses raw `sigmoid(confidence)` |
+//! | per-position confidence offsets | `dspark_calibration_biases` | no, as above |
 //! | the target the drafter was made for | `dspark_target` | no (only a check in dspark) |
 //! | reduced draft vocabulary (DeepSpec, z-lab) | `draft_vocab_size` + `d2t` tensor, as EAGLE-3 names them | no: DeepSpec's heads span the full vocabulary, so its code cannot load such a checkpoint; z-lab's reads out through the target's head and drafts over the full vocabulary |
 //!
@@ -199,6 +200,9 @@ fn deepspec_block(net: &DrafterNet, target: &Model) -> Result<(Value, BTreeMap<S
     }
     if let Some(t) = &ext.calibration_temperatures {
         k.insert("dspark_calibration_temperatures".into(), json!(t));
+    }
+    if let Some(b) = &ext.calibration_biases {
+        k.insert("dspark_calibration_biases".into(), json!(b));
     }
     let tensors = with_target_copies(net, target, m.tensors())?;
     Ok((Value::Object(k), tensors))

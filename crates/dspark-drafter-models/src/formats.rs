@@ -248,6 +248,7 @@ pub fn public(v: Value, path: &str) -> Result<DrafterConfig> {
         confidence: false,
         layout: BlockLayout::Dspark,
         calibration_temperatures: None,
+        calibration_biases: None,
         target: None,
         confidence_with_markov: false,
     };
@@ -358,6 +359,11 @@ pub fn public(v: Value, path: &str) -> Result<DrafterConfig> {
         let t: Vec<f32> = serde_json::from_value(t.clone())
             .map_err(|_| k.err(format!("`dspark_calibration_temperatures` is {t}, not a list of numbers")))?;
         ext.calibration_temperatures = Some(t);
+    }
+    if let Some(b) = k.take("dspark_calibration_biases") {
+        let b: Vec<f32> = serde_json::from_value(b.clone())
+            .map_err(|_| k.err(format!("`dspark_calibration_biases` is {b}, not a list of numbers")))?;
+        ext.calibration_biases = Some(b);
     }
     if let Some(t) = k.take("dspark_target") {
         ext.target = Some(

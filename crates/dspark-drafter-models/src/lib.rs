@@ -422,6 +422,7 @@ pub fn init_config(target: &Model, target_name: &str, o: &InitOptions) -> Result
             confidence: dspark,
             layout: if eagle { BlockLayout::Dspark } else { o.layout },
             calibration_temperatures: None,
+            calibration_biases: None,
             target: Some(TargetId::of(target, target_name)),
             confidence_with_markov: true,
         }),

@@ -38,8 +38,8 @@ fn opts(method: Method, head: HeadKind, vocab: Option<Vec<u32>>, layout: BlockLa
     }
 }
 
-/// A fresh drafter saved in our format, with calibration temperatures when it has a confidence
-/// head, and loaded back as any checkpoint is.
+/// A fresh drafter saved in our format, with calibration temperatures and offsets when it has a
+/// confidence head, and loaded back as any checkpoint is.
 fn ours(t: &Arc<Model>, o: &InitOptions, dir: &Path) -> DrafterNet {
     let net = dspark_drafter_models::init(t.clone(), "tiny", o).unwrap();
     net.save(dir).unwrap();
@@ -48,6 +48,7 @@ fn ours(t: &Arc<Model>, o: &InitOptions, dir: &Path) -> DrafterNet {
         let mut c: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         c["dspark"]["calibration_temperatures"] = serde_json::json!([0.5, 1.5, 2.0, 0.75]);
+        c["dspark"]["calibration_biases"] = serde_json::json!([-1.0, 0.5, 0.0, 0.25]);
         std::fs::write(&path, c.to_string()).unwrap();
     }
     dspark_drafter_models::load(dir, t.clone(), "tiny").unwrap()
@@ -102,6 +103,7 @@ fn round_trip(t: &Arc<Model>, o: &InitOptions, format: PublicFormat, as_format: 
     assert_eq!(b.ext().head, c.ext().head, "{what}");
     assert_eq!(b.ext().layout, c.ext().layout, "{what}");
     assert_eq!(b.ext().calibration_temperatures, c.ext().calibration_temperatures, "{what}");
+    assert_eq!(b.ext().calibration_biases, c.ext().calibration_biases, "{what}");
     assert_eq!(b.ext().target, c.ext().target, "{what}");
     assert_eq!(b.target_layer_ids, c.target_layer_ids, "{what}");
     assert_eq!(back.vocab().target_ids(), net.vocab().target_ids(), "{what}");

@@ -1,21 +1,21 @@
 //! Records what STS calibration fits on: a drafter's confidences per round and how many drafts
 //! were accepted.
 
-use dspark_schedule::calibration::Round;
+use dspark_schedule::calibration::{Round, Scaling};
 
-/// Wraps a drafter and records, per round, its confidence logits (undoing the temperatures it
+/// Wraps a drafter and records, per round, its confidence logits (undoing the scaling it
 /// applied) and how many drafts were accepted.
 pub struct Recorder<'a> {
     pub inner: &'a mut dyn dspark_spec::Drafter,
-    /// Temperatures the drafter applies now (1 when uncalibrated).
-    pub temps: Vec<f64>,
+    /// The scaling the drafter applies now (identity when uncalibrated).
+    pub scaling: Scaling,
     pending: Option<Vec<f32>>,
     pub rounds: Vec<Round>,
 }
 
 impl<'a> Recorder<'a> {
-    pub fn new(inner: &'a mut dyn dspark_spec::Drafter, temps: Vec<f64>) -> Self {
-        Self { inner, temps, pending: None, rounds: Vec::new() }
+    pub fn new(inner: &'a mut dyn dspark_spec::Drafter, scaling: Scaling) -> Self {
+        Self { inner, scaling, pending: None, rounds: Vec::new() }
     }
 }
 
@@ -49,7 +49,7 @@ impl dspark_spec::Drafter for Recorder<'_> {
                 .enumerate()
                 .map(|(k, &q)| {
                     let q = (q as f64).clamp(1e-7, 1.0 - 1e-7);
-                    ((q / (1.0 - q)).ln() * self.temps.get(k).copied().unwrap_or(1.0)) as f32
+                    self.scaling.invert(k, (q / (1.0 - q)).ln()) as f32
                 })
                 .collect()
         });

@@ -162,6 +162,7 @@ fn block_drafters_match_the_numpy_reference() {
             let mut c: serde_json::Value =
                 serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
             c["dspark"]["calibration_temperatures"] = serde_json::json!(temps);
+            c["dspark"]["calibration_biases"] = serde_json::json!([-0.5f32, 0.25, 0.0, 1.0, -2.0]);
             std::fs::write(&p, c.to_string()).unwrap();
         }
         let m = block(dspark_drafter_models::load(ddir.path(), t, "tiny").unwrap());

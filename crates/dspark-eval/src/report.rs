@@ -17,7 +17,8 @@ pub struct DrafterResult {
     pub per_bench: Vec<SpecStats>,
     /// Confidence logits and outcomes of every round, for drafters with a confidence head.
     pub rounds: Vec<Round>,
-    pub temps: Option<Vec<f64>>,
+    /// The scaling the drafter's confidence head applies, for drafters that have one.
+    pub scaling: Option<dspark_schedule::Scaling>,
     /// (γ, merged statistics) of the block sweep.
     pub sweep: Vec<(usize, SpecStats)>,
 }
@@ -85,12 +86,12 @@ impl DrafterResult {
         }
     }
 
-    /// ECE per position of the survivals the drafter reports (its own temperatures) and of the
-    /// raw head (T = 1).
+    /// ECE per position of the survivals the drafter reports (its own scaling) and of the
+    /// raw head (T = 1, b = 0).
     pub fn ece(&self) -> Option<(Vec<f64>, Vec<f64>)> {
-        let temps = self.temps.as_ref()?;
-        let ones = vec![1.0; self.gamma];
-        let per = |t: &[f64]| {
+        let scaling = self.scaling.as_ref()?;
+        let ones = dspark_schedule::Scaling::identity(self.gamma);
+        let per = |t: &dspark_schedule::Scaling| {
             (0..self.gamma)
                 .map(|k| {
                     let (p, y) = survival(&self.rounds, t, k);
@@ -98,7 +99,7 @@ impl DrafterResult {
                 })
                 .collect()
         };
-        Some((per(temps), per(&ones)))
+        Some((per(scaling), per(&ones)))
     }
 }
 
@@ -324,10 +325,13 @@ impl Report {
             dir.join("acceptance.svg"),
             lines_svg(&title, &panels, "draft position", "acceptance", Some((0.0, 1.0))),
         )?;
-        for d in self.drafters.iter().filter(|d| d.temps.is_some() && !d.rounds.is_empty()) {
+        for d in self.drafters.iter().filter(|d| d.scaling.is_some() && !d.rounds.is_empty()) {
             let f = format!("reliability-{}.svg", d.name);
-            let svg =
-                dspark_schedule::calibration::reliability_svg(&d.rounds, d.temps.as_ref().unwrap(), &d.name);
+            let svg = dspark_schedule::calibration::reliability_svg(
+                &d.rounds,
+                d.scaling.as_ref().unwrap(),
+                &d.name,
+            );
             std::fs::write(dir.join(&f), svg)?;
             files.push(f);
         }

@@ -24,9 +24,9 @@ pub struct EvalDrafter {
     pub drafter: Box<dyn Drafter>,
     /// The fixed block (γ) of the main table.
     pub gamma: usize,
-    /// Temperatures the drafter's confidence head applies, for drafters that have one: their
+    /// The scaling the drafter's confidence head applies, for drafters that have one: their
     /// rounds are recorded for the calibration report.
-    pub temps: Option<Vec<f64>>,
+    pub scaling: Option<dspark_schedule::Scaling>,
     /// Largest γ this drafter can draft, when it takes part in the block sweep.
     pub sweep_max: Option<usize>,
 }
@@ -50,9 +50,9 @@ fn run_spec(
         policy: dspark_schedule::Policy::Fixed,
         cost: None,
     };
-    match (rounds, &d.temps) {
-        (Some(out), Some(temps)) => {
-            let mut rec = Recorder::new(d.drafter.as_mut(), temps.clone());
+    match (rounds, &d.scaling) {
+        (Some(out), Some(scaling)) => {
+            let mut rec = Recorder::new(d.drafter.as_mut(), scaling.clone());
             let r = generate_spec(target, &mut rec, prompt, &p, |_| {})?;
             out.append(&mut rec.rounds);
             Ok((r.tokens, r.stats))
@@ -82,7 +82,7 @@ pub fn evaluate(
             gamma: d.gamma,
             per_bench: vec![SpecStats::default(); benches.len()],
             rounds: Vec::new(),
-            temps: d.temps.clone(),
+            scaling: d.scaling.clone(),
             sweep: Vec::new(),
         })
         .collect();

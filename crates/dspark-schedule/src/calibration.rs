@@ -1,18 +1,81 @@
 //! Sequential temperature scaling (DSPARK.md §3): per draft position k, one temperature T_k,
-//! fitted left to right to minimise the ECE of the prefix survival `∏_{i≤k} σ(z_i / T_i)`
-//! against "the first k drafts were accepted", earlier temperatures held fixed.
+//! fitted left to right to minimise the ECE of the prefix survival `∏_{i≤k} σ(z_i / T_i + b_i)`
+//! against "the first k drafts were accepted", earlier positions held fixed.
 //!
-//! [`OnlineCalibration`] refits the same temperatures while serving, on a sliding window of
+//! The offset b_k is ours, not the paper's (which has b = 0): a temperature only stretches the
+//! logit about 0, so a head that is wrong by a constant — the shipped Qwen drafter's position 1
+//! predicted ≈ 12 points above its held-out acceptance, ECE 12 % that no T lowered — stays wrong.
+//! With the offset it is per-position Platt scaling, still monotone in z. `fit_with` over a bias
+//! grid of `[0.0]` is the paper's STS exactly.
+//!
+//! [`OnlineCalibration`] refits the same scalings while serving, on a sliding window of
 //! verified rounds, per workload tag.
 
 use std::collections::{BTreeMap, VecDeque};
 
-/// One verification round: the confidence head's logits (before any temperature) and how many
+/// One verification round: the confidence head's logits (before any scaling) and how many
 /// of the drafts were accepted.
 #[derive(Debug, Clone)]
 pub struct Round {
     pub logits: Vec<f32>,
     pub accepted: usize,
+}
+
+/// Per-position scaling of the confidence head's logit, `z / T_k + b_k`; positions past the
+/// end of either list keep T = 1, b = 0.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Scaling {
+    pub temps: Vec<f64>,
+    pub biases: Vec<f64>,
+}
+
+impl Scaling {
+    /// Temperatures alone (b = 0): the paper's STS, or a checkpoint without offsets.
+    pub fn from_temps(temps: Vec<f64>) -> Self {
+        Self { temps, biases: Vec::new() }
+    }
+
+    /// From a checkpoint's optional lists, padded to `gamma` positions.
+    pub fn from_config(temps: Option<&[f32]>, biases: Option<&[f32]>, gamma: usize) -> Self {
+        let pad = |v: Option<&[f32]>, d: f64| -> Vec<f64> {
+            (0..gamma).map(|k| v.and_then(|v| v.get(k)).map_or(d, |&x| x as f64)).collect()
+        };
+        Self { temps: pad(temps, 1.0), biases: pad(biases, 0.0) }
+    }
+
+    pub fn identity(gamma: usize) -> Self {
+        Self { temps: vec![1.0; gamma], biases: vec![0.0; gamma] }
+    }
+
+    pub fn temp(&self, k: usize) -> f64 {
+        self.temps.get(k).copied().unwrap_or(1.0)
+    }
+
+    pub fn bias(&self, k: usize) -> f64 {
+        self.biases.get(k).copied().unwrap_or(0.0)
+    }
+
+    /// The calibrated logit at position k.
+    pub fn apply(&self, k: usize, z: f64) -> f64 {
+        z / self.temp(k) + self.bias(k)
+    }
+
+    /// The raw logit whose calibrated value at position k is `s`.
+    pub fn invert(&self, k: usize, s: f64) -> f64 {
+        (s - self.bias(k)) * self.temp(k)
+    }
+
+    /// This scaling with position k set to (t, b), padding the positions before it.
+    pub fn with(&self, k: usize, t: f64, b: f64) -> Self {
+        let n = (k + 1).max(self.temps.len()).max(self.biases.len());
+        let mut s = Self {
+            temps: (0..n).map(|i| self.temp(i)).collect(),
+            biases: (0..n).map(|i| self.bias(i)).collect(),
+        };
+        s.temps[k] = t;
+        s.biases[k] = b;
+        s
+    }
 }
 
 pub const BINS: usize = 20;
@@ -39,12 +102,11 @@ pub fn ece(pred: &[f64], label: &[bool]) -> f64 {
 
 /// Prefix survival at position `k` (0-based) of every round that drafted that far, with the
 /// label "accepted at least k + 1".
-pub fn survival(rounds: &[Round], temps: &[f64], k: usize) -> (Vec<f64>, Vec<bool>) {
+pub fn survival(rounds: &[Round], s: &Scaling, k: usize) -> (Vec<f64>, Vec<bool>) {
     let mut pred = Vec::new();
     let mut label = Vec::new();
     for r in rounds.iter().filter(|r| r.logits.len() > k) {
-        let a: f64 =
-            (0..=k).map(|i| sigmoid(r.logits[i] as f64 / temps.get(i).copied().unwrap_or(1.0))).product();
+        let a: f64 = (0..=k).map(|i| sigmoid(s.apply(i, r.logits[i] as f64))).product();
         pred.push(a);
         label.push(r.accepted > k);
     }
@@ -59,75 +121,95 @@ pub fn grid() -> Vec<f64> {
     g
 }
 
-/// Labels of each class a position needs before its temperature is fitted: with fewer, the ECE
+/// The offset grid: −3 to 3 in steps of 0.1 (0 included exactly).
+pub fn bias_grid() -> Vec<f64> {
+    (-30..=30).map(|i| i as f64 / 10.0).collect()
+}
+
+/// Labels of each class a position needs before its scaling is fitted: with fewer, the ECE
 /// it would minimise is a handful of rounds (the first shipped DSpark drafter got T₆ = 0.05, the
-/// grid's floor, from an ECE of 0.02 %), so the position keeps T = 1.
+/// grid's floor, from an ECE of 0.02 %), so the position keeps T = 1, b = 0.
 pub const MIN_LABELS: usize = 30;
 
-/// Fits T_1..T_γ left to right; returns them with the ECE per position before (T = 1) and after,
-/// both on the rounds fitted (see [`fit_held_out`] for an honest "after").
-pub fn fit(rounds: &[Round], gamma: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
-    fit_with(rounds, gamma, &grid())
+/// A fit: the scaling, and the ECE per position before (identity) and after.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fit {
+    pub scaling: Scaling,
+    pub before: Vec<f64>,
+    pub after: Vec<f64>,
+}
+
+/// Fits (T_k, b_k) left to right, over [`grid`] and, with `offsets`, [`bias_grid`] (else
+/// b = 0: the paper's STS); the ECE is on the rounds fitted (see [`fit_held_out`] for an honest
+/// "after").
+pub fn fit(rounds: &[Round], gamma: usize, offsets: bool) -> Fit {
+    let biases = if offsets { bias_grid() } else { vec![0.0] };
+    fit_with(rounds, gamma, &grid(), &biases)
 }
 
 /// Fits on the even-numbered rounds and reports the ECE per position before and after on the
-/// odd-numbered ones, which the fit never saw. A fitted temperature that does not lower the
+/// odd-numbered ones, which the fit never saw. A fitted scaling that does not lower the
 /// held-out ECE at its position (left to right, given the ones kept before it) is not kept:
-/// the position keeps T = 1. ECE over 20 bins is a noisy objective, and the shipped Qwen
+/// the position keeps T = 1, b = 0. ECE over 20 bins is a noisy objective, and the shipped Qwen
 /// drafter's fits sharpened positions 1–3 (T ≈ 0.6) while raising their held-out ECE.
-pub fn fit_held_out(rounds: &[Round], gamma: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+pub fn fit_held_out(rounds: &[Round], gamma: usize, offsets: bool) -> Fit {
     let fit_on: Vec<Round> = rounds.iter().step_by(2).cloned().collect();
     let test: Vec<Round> = rounds.iter().skip(1).step_by(2).cloned().collect();
-    let fitted = fit(&fit_on, gamma).0;
-    let ones = vec![1.0; gamma];
-    let ece_at = |t: &[f64], k: usize| {
-        let (p, y) = survival(&test, t, k);
+    let fitted = fit(&fit_on, gamma, offsets).scaling;
+    let ones = Scaling::identity(gamma);
+    let ece_at = |s: &Scaling, k: usize| {
+        let (p, y) = survival(&test, s, k);
         ece(&p, &y)
     };
     let before = (0..gamma).map(|k| ece_at(&ones, k)).collect();
-    let mut temps = ones.clone();
+    let mut scaling = ones.clone();
     for k in 0..gamma {
-        let mut trial = temps.clone();
-        trial[k] = fitted[k];
-        if ece_at(&trial, k) < ece_at(&temps, k) {
-            temps = trial;
+        let trial = scaling.with(k, fitted.temp(k), fitted.bias(k));
+        if ece_at(&trial, k) < ece_at(&scaling, k) {
+            scaling = trial;
         }
     }
-    let after = (0..gamma).map(|k| ece_at(&temps, k)).collect();
-    (temps, before, after)
+    let after = (0..gamma).map(|k| ece_at(&scaling, k)).collect();
+    Fit { scaling, before, after }
 }
 
-/// [`fit`] over a given temperature grid.
-pub fn fit_with(rounds: &[Round], gamma: usize, grid: &[f64]) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
-    let ones = vec![1.0; gamma];
-    let mut temps: Vec<f64> = Vec::with_capacity(gamma);
+/// [`fit`] over given temperature and offset grids.
+pub fn fit_with(rounds: &[Round], gamma: usize, temps: &[f64], biases: &[f64]) -> Fit {
+    let mut s = Scaling::identity(gamma);
     let mut before = Vec::with_capacity(gamma);
     let mut after = Vec::with_capacity(gamma);
     for k in 0..gamma {
-        let (p, y) = survival(rounds, &ones, k);
+        let (p, y) = survival(rounds, &Scaling::identity(gamma), k);
         before.push(ece(&p, &y));
         let positives = y.iter().filter(|&&v| v).count();
         if positives < MIN_LABELS || y.len() - positives < MIN_LABELS {
-            let (p, y) = survival(rounds, &[temps.as_slice(), &[1.0]].concat(), k);
-            temps.push(1.0);
+            let (p, y) = survival(rounds, &s, k);
             after.push(ece(&p, &y));
             continue;
         }
-        let mut best: (f64, f64) = (f64::INFINITY, 1.0);
-        for &t in grid {
-            let mut trial = temps.clone();
-            trial.push(t);
-            let (p, y) = survival(rounds, &trial, k);
-            let e = ece(&p, &y);
-            // Ties go to the temperature closest to 1 (the least change).
-            if e < best.0 - 1e-12 || ((e - best.0).abs() <= 1e-12 && (t.ln()).abs() < best.1.ln().abs()) {
-                best = (e, t);
+        // The survival of positions before k is fixed by now: one product per round.
+        let at_k: Vec<&Round> = rounds.iter().filter(|r| r.logits.len() > k).collect();
+        let prefix: Vec<f64> =
+            at_k.iter().map(|r| (0..k).map(|i| sigmoid(s.apply(i, r.logits[i] as f64))).product()).collect();
+        let mut pred = vec![0.0; at_k.len()];
+        // (ECE, distance from the identity, T, b): ties go to the least change.
+        let mut best = (f64::INFINITY, f64::INFINITY, 1.0, 0.0);
+        for &t in temps {
+            for &b in biases {
+                for ((q, r), a) in pred.iter_mut().zip(&at_k).zip(&prefix) {
+                    *q = a * sigmoid(r.logits[k] as f64 / t + b);
+                }
+                let e = ece(&pred, &y);
+                let dist = t.ln().abs() + b.abs();
+                if e < best.0 - 1e-12 || ((e - best.0).abs() <= 1e-12 && dist < best.1) {
+                    best = (e, dist, t, b);
+                }
             }
         }
-        temps.push(best.1);
+        s = s.with(k, best.2, best.3);
         after.push(best.0);
     }
-    (temps, before, after)
+    Fit { scaling: s, before, after }
 }
 
 /// Logit of a probability, clamped away from 0 and 1.
@@ -141,10 +223,11 @@ pub fn logit(p: f32) -> f32 {
 ///   a sliding window of the last `window` rounds; drafts beyond the verified length are never
 ///   labelled, so they are left out (position k learns from rounds that verified ≥ k drafts);
 /// - every `refit_every` new rounds, once `min_rounds` are in the window, the temperatures are
-///   refitted by STS over the window (a 33-point grid in [0.1, 10] plus 1);
+///   refitted over the window (temperatures on a 33-point grid in [0.1, 10] plus 1, offsets
+///   −1 to 1 in steps of 0.25);
 /// - a request uses its tag's temperatures once that tag has been fitted, else the global ones.
 ///
-/// Temperatures used at a step come from rounds already verified, and a temperature maps each
+/// Scalings used at a step come from rounds already verified, and a scaling maps each
 /// confidence monotonically, so admission stays non-anticipating and the output exact.
 #[derive(Debug, Clone)]
 pub struct OnlineConfig {
@@ -162,7 +245,7 @@ impl Default for OnlineConfig {
 #[derive(Debug, Default, Clone)]
 struct Track {
     rounds: VecDeque<Round>,
-    temps: Vec<f64>,
+    scaling: Scaling,
     fits: usize,
     since_fit: usize,
     /// (survival predicted at decision time, realised) for the ECE reported in metrics.
@@ -176,6 +259,7 @@ pub struct TrackStatus {
     pub rounds: usize,
     pub fits: usize,
     pub temperatures: Vec<f64>,
+    pub biases: Vec<f64>,
     /// ECE of the survivals the scheduler actually used, over the window.
     pub ece: f64,
 }
@@ -187,6 +271,7 @@ pub struct OnlineCalibration {
     pub config: OnlineConfig,
     gamma: usize,
     grid: Vec<f64>,
+    bias_grid: Vec<f64>,
     tracks: BTreeMap<String, Track>,
 }
 
@@ -195,25 +280,26 @@ impl OnlineCalibration {
         let (lo, hi) = (0.1f64.ln(), 10f64.ln());
         let mut grid: Vec<f64> = (0..33).map(|i| (lo + (hi - lo) * i as f64 / 32.0).exp()).collect();
         grid.push(1.0);
-        Self { config, gamma, grid, tracks: BTreeMap::new() }
+        let bias_grid = (-4..=4).map(|i| i as f64 / 4.0).collect();
+        Self { config, gamma, grid, bias_grid, tracks: BTreeMap::new() }
     }
 
-    fn temps_for(&self, tag: Option<&str>) -> &[f64] {
-        let fitted = |t: &str| self.tracks.get(t).filter(|t| t.fits > 0).map(|t| t.temps.as_slice());
-        tag.and_then(fitted).or_else(|| fitted(GLOBAL)).unwrap_or(&[])
+    fn scaling_for(&self, tag: Option<&str>) -> Option<&Scaling> {
+        let fitted = |t: &str| self.tracks.get(t).filter(|t| t.fits > 0).map(|t| &t.scaling);
+        tag.and_then(fitted).or_else(|| fitted(GLOBAL))
     }
 
-    /// Prefix survivals `a_k = ∏_{i≤k} σ(logit(c_i) / T_i)` for one request's drafts, from the
-    /// drafter's confidences `c` (already offline-calibrated).
+    /// Prefix survivals `a_k = ∏_{i≤k} σ(logit(c_i) / T_i + b_i)` for one request's drafts, from
+    /// the drafter's confidences `c` (already offline-calibrated).
     pub fn survival(&self, tag: Option<&str>, confidence: &[f32]) -> Vec<f32> {
-        let temps = self.temps_for(tag);
+        let none = Scaling::default();
+        let s = self.scaling_for(tag).unwrap_or(&none);
         let mut a = 1.0f64;
         confidence
             .iter()
             .enumerate()
             .map(|(k, &c)| {
-                let t = temps.get(k).copied().unwrap_or(1.0);
-                a *= sigmoid(logit(c) as f64 / t);
+                a *= sigmoid(s.apply(k, logit(c) as f64));
                 a as f32
             })
             .collect()
@@ -242,7 +328,7 @@ impl OnlineCalibration {
             tr.since_fit += 1;
             if tr.since_fit >= self.config.refit_every && tr.rounds.len() >= self.config.min_rounds {
                 let rounds: Vec<Round> = tr.rounds.iter().cloned().collect();
-                tr.temps = fit_with(&rounds, self.gamma, &self.grid).0;
+                tr.scaling = fit_with(&rounds, self.gamma, &self.grid, &self.bias_grid).scaling;
                 tr.fits += 1;
                 tr.since_fit = 0;
             }
@@ -258,7 +344,8 @@ impl OnlineCalibration {
                     tag: tag.clone(),
                     rounds: t.rounds.len(),
                     fits: t.fits,
-                    temperatures: t.temps.clone(),
+                    temperatures: t.scaling.temps.clone(),
+                    biases: t.scaling.biases.clone(),
                     ece: ece(&p, &y),
                 }
             })
@@ -268,22 +355,22 @@ impl OnlineCalibration {
 
 /// A reliability diagram (SVG): per position, observed acceptance against predicted prefix
 /// survival in 10 bins, before and after calibration, with the diagonal.
-pub fn reliability_svg(rounds: &[Round], temps: &[f64], title: &str) -> String {
-    let gamma = temps.len();
+pub fn reliability_svg(rounds: &[Round], scaling: &Scaling, title: &str) -> String {
+    let gamma = scaling.temps.len().max(scaling.biases.len());
     let cols = gamma.clamp(1, 4);
     let rows = gamma.div_ceil(cols);
     let (w, h, pad) = (220.0, 220.0, 34.0);
     let (width, height) = (cols as f64 * (w + pad) + pad, rows as f64 * (h + pad + 14.0) + 40.0);
     let mut s = format!(
-        "<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' font-family='sans-serif' font-size='11'>\n<rect width='100%' height='100%' fill='white'/>\n<text x='{pad}' y='20' font-size='14'>{title} — observed vs predicted prefix survival (red: before, blue: after STS)</text>\n"
+        "<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' font-family='sans-serif' font-size='11'>\n<rect width='100%' height='100%' fill='white'/>\n<text x='{pad}' y='20' font-size='14'>{title} — observed vs predicted prefix survival (red: before, blue: after scaling)</text>\n"
     );
-    let ones = vec![1.0; gamma];
+    let ones = Scaling::identity(gamma);
     for k in 0..gamma {
         let (x0, y0) = (pad + (k % cols) as f64 * (w + pad), 40.0 + (k / cols) as f64 * (h + pad + 14.0));
         s += &format!("<rect x='{x0}' y='{y0}' width='{w}' height='{h}' fill='none' stroke='#999'/>\n");
         s += &format!("<line x1='{x0}' y1='{}' x2='{}' y2='{y0}' stroke='#ccc'/>\n", y0 + h, x0 + w);
         s += &format!("<text x='{}' y='{}'>position {}</text>\n", x0 + 4.0, y0 + 14.0, k + 1);
-        for (t, color) in [(&ones, "#d62728"), (&temps.to_vec(), "#1f77b4")] {
+        for (t, color) in [(&ones, "#d62728"), (scaling, "#1f77b4")] {
             let (p, y) = survival(rounds, t, k);
             let mut pts = Vec::new();
             for b in 0..10 {
@@ -339,7 +426,8 @@ mod tests {
                 Round { logits: z, accepted }
             })
             .collect();
-        let (t, before, after) = fit(&rounds, 3);
+        let Fit { scaling, before, after } = fit(&rounds, 3, false);
+        let t = scaling.temps;
         for k in 0..3 {
             assert!(t[k] > 1.5, "T_{k} = {}", t[k]);
             assert!(after[k] <= before[k] / 2.0, "position {k}: {} → {}", before[k], after[k]);
@@ -367,10 +455,10 @@ mod tests {
                 Round { logits: z, accepted }
             })
             .collect();
-        let (t, _, _) = fit(&rounds, 3);
+        let t = fit(&rounds, 3, false).scaling.temps;
         assert!(t[0] > 1.5 && t[1] > 1.0, "{t:?}");
         assert_eq!(t[2], 1.0, "too few accepted third drafts to fit");
-        let (th, before, after) = fit_held_out(&rounds, 3);
+        let Fit { scaling: th, before, after } = fit_held_out(&rounds, 3, false);
         let odd: Vec<Round> = rounds.iter().skip(1).step_by(2).cloned().collect();
         let (p, y) = survival(&odd, &th, 0);
         assert_eq!(after[0], ece(&p, &y));
@@ -397,10 +485,15 @@ mod tests {
                 })
                 .collect()
         };
-        let (t, before, after) = fit_held_out(&make(1.0, 6), 3);
-        assert_eq!(t, vec![1.0; 3], "fitted on overconfident rounds, scored on calibrated ones");
+        let Fit { scaling, before, after } = fit_held_out(&make(1.0, 6), 3, false);
+        assert_eq!(
+            scaling,
+            Scaling::identity(3),
+            "fitted on overconfident rounds, scored on calibrated ones"
+        );
         assert_eq!(before, after);
-        let (t, before, after) = fit_held_out(&make(3.0, 7), 3);
+        let Fit { scaling, before, after } = fit_held_out(&make(3.0, 7), 3, false);
+        let t = scaling.temps;
         for k in 0..3 {
             assert!(t[k] > 1.5 && after[k] < before[k], "{t:?}: {before:?} → {after:?}");
         }
@@ -446,11 +539,41 @@ mod tests {
         assert!(cal.survival(Some("code"), &conf)[0] > cal.survival(Some("chat"), &conf)[0] + 0.3);
     }
 
+    /// A head that is right about which drafts are likelier but 1.5 logits too hopeful at
+    /// every confidence: no temperature fixes a shift (STS leaves most of the error), the offset
+    /// does, and the fitted b is near −1.5.
+    #[test]
+    fn offsets_remove_a_constant_overconfidence_that_temperatures_cannot() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let rounds: Vec<Round> = (0..6000)
+            .map(|_| {
+                let z: Vec<f32> = (0..2).map(|_| rng.random_range(-1.0f32..4.0)).collect();
+                let mut accepted = 0;
+                while accepted < 2 && rng.random::<f64>() < sigmoid(z[accepted] as f64 - 1.5) {
+                    accepted += 1;
+                }
+                Round { logits: z, accepted }
+            })
+            .collect();
+        let sts = fit_held_out(&rounds, 2, false);
+        let platt = fit_held_out(&rounds, 2, true);
+        assert_eq!(sts.before, platt.before);
+        assert!(platt.after[0] < sts.after[0] / 2.0, "{:?} vs {:?}", platt.after, sts.after);
+        assert!(platt.after[0] < platt.before[0] / 4.0, "{:?} → {:?}", platt.before, platt.after);
+        let b = platt.scaling.bias(0);
+        assert!((b + 1.5).abs() < 0.35, "b₁ = {b}");
+        // The scaling inverts exactly (the recorder undoes it to recover the raw logit).
+        let s = &platt.scaling;
+        assert!((s.invert(0, s.apply(0, 2.5)) - 2.5).abs() < 1e-12);
+    }
+
     #[test]
     fn reliability_diagram_plots_both_curves() {
         let rounds: Vec<Round> =
             (0..200).map(|i| Round { logits: vec![(i % 7) as f32 - 3.0, 1.0], accepted: i % 3 }).collect();
-        let svg = reliability_svg(&rounds, &[1.5, 0.8], "test");
+        let s = Scaling { temps: vec![1.5, 0.8], biases: vec![0.0, -0.5] };
+        let svg = reliability_svg(&rounds, &s, "test");
         assert_eq!(svg.matches("<polyline").count(), 4, "two positions × before/after");
     }
 }

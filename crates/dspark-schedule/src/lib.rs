@@ -6,7 +6,7 @@ pub mod calibration;
 pub mod cost;
 pub mod policy;
 
-pub use calibration::{OnlineCalibration, Round};
+pub use calibration::{OnlineCalibration, Round, Scaling};
 pub use cost::CostTable;
 pub use policy::{prefix_schedule, top_k, Policy, Scheduler};
 

@@ -178,6 +178,7 @@ impl Trainer {
                 // Temperatures fitted to the init's confidences do not fit the weights this run
                 // trains: `dspark calibrate` fits new ones.
                 ext.calibration_temperatures = None;
+                ext.calibration_biases = None;
             }
         }
         config.check_target(&target, &dspark_drafter_models::TargetId::of(&target, target_name))?;
