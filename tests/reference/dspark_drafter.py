@@ -14,7 +14,8 @@ Written from the method's description (docs: DSPARK.md §2–3), not from dspark
             Markov bias_k = W1[x_{k-1}] W2^T;
             RNN: z = [s; W1[x_{k-1}]; h_k], (g|c|o) = cell(z), s = sig(g) s + (1-sig(g)) tanh(c),
                  bias_k = W2 tanh(o);
-            confidence c_k = sig(w^T [h_k; W1[x_{k-1}]] + b) / T_k scaling of the logit;
+            confidence c_k = sig(z_k / T_k + b_k), z_k = w^T [h_k; W1[x_{k-1}]] + bias (the head's own
+                 bias; T_k, b_k the calibration's temperature and offset);
             greedy: x_k = argmax logits_k.
 
 Usage: dspark_drafter.py TARGET_DIR DRAFTER_DIR INPUTS_JSON -> prints JSON

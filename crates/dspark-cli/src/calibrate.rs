@@ -100,21 +100,32 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
         rounds.len(),
         if a.no_offsets { "STS (temperatures)" } else { "STS + offsets" }
     );
-    println!(
-        "{:>8} {:>10} {:>10} {:>8} {:>14} {:>8} {:>8}",
-        "position", "raw", "STS", "T", "STS + offset", "T", "b"
-    );
-    for k in 0..gamma {
+    if a.no_offsets {
+        println!("{:>8} {:>10} {:>10} {:>8}", "position", "raw", "STS", "T");
+    } else {
         println!(
-            "{:>8} {:>9.2}% {:>9.2}% {:>8.3} {:>13.2}% {:>8.3} {:>8.2}",
+            "{:>8} {:>10} {:>10} {:>8} {:>14} {:>8} {:>8}",
+            "position", "raw", "STS", "T", "STS + offset", "T", "b"
+        );
+    }
+    for k in 0..gamma {
+        let sts_cols = format!(
+            "{:>8} {:>9.2}% {:>9.2}% {:>8.3}",
             k + 1,
             before[k] * 100.0,
             sts.after[k] * 100.0,
-            sts.scaling.temp(k),
-            after[k] * 100.0,
-            scaling.temp(k),
-            scaling.bias(k)
+            sts.scaling.temp(k)
         );
+        if a.no_offsets {
+            println!("{sts_cols}");
+        } else {
+            println!(
+                "{sts_cols} {:>13.2}% {:>8.3} {:>8.2}",
+                after[k] * 100.0,
+                scaling.temp(k),
+                scaling.bias(k)
+            );
+        }
     }
     let path = a.drafter.join("config.json");
     let mut c = config.clone();

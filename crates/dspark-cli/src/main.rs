@@ -72,7 +72,8 @@ enum Cmd {
     /// Train a drafter (DSpark, DFlash or EAGLE-3) on target-regenerated data.
     Train(train::TrainArgs),
     /// Fit a DSpark drafter's confidence head on held-out rounds (sequential temperature
-    /// scaling); prints ECE per position before and after and writes a reliability diagram.
+    /// scaling, with a per-position offset unless --no-offsets); prints ECE per position before
+    /// and after and writes a reliability diagram.
     Calibrate(calibrate::CalibrateArgs),
     /// Training data: prompts and target-regenerated answers.
     #[command(subcommand)]

@@ -91,7 +91,7 @@ pub struct DraftTrace {
     pub logits: Vec<Vec<f32>>,
     /// Calibrated survival probabilities, when the drafter has a confidence head.
     pub confidence: Option<Vec<f32>>,
-    /// The confidence head's raw logits (before temperature and sigmoid), as DeepSpec
+    /// The confidence head's raw logits (before scaling and sigmoid), as DeepSpec
     /// records them.
     pub confidence_logits: Option<Vec<f32>>,
 }
@@ -353,7 +353,8 @@ impl BlockModel {
         mut choose: impl FnMut(usize, &[f32]) -> Result<usize>,
     ) -> Result<DraftTrace> {
         let ext = self.config.ext();
-        let (temps, biases) = (ext.calibration_temperatures, ext.calibration_biases);
+        let (temps, biases, with_markov) =
+            (ext.calibration_temperatures, ext.calibration_biases, ext.confidence_with_markov);
         let mut out = DraftTrace {
             confidence: self.confidence.as_ref().map(|_| Vec::new()),
             confidence_logits: self.confidence.as_ref().map(|_| Vec::new()),
@@ -393,7 +394,7 @@ impl BlockModel {
             };
             if let Some(proj) = &self.confidence {
                 let mut input = h.to_vec();
-                if let (Some(e), true) = (&e, self.config.ext().confidence_with_markov) {
+                if let (Some(e), true) = (&e, with_markov) {
                     input.extend_from_slice(e);
                 }
                 let z = proj.forward_vec(&input, 1)?[0];

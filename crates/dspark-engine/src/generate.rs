@@ -75,7 +75,7 @@ pub fn generate(
         Policy::Threshold(t) if !(0.0..=1.0).contains(&t) => return Err(SpecError::MinSurvival(t)),
         Policy::Dspark | Policy::DsparkAsync => p.cost.clone().ok_or(SpecError::NoCostTable(p.policy))?,
         // Neither of the others weighs costs.
-        _ => CostTable { model: String::new(), drafter: None, threads: 1, forward: vec![], draft: vec![] },
+        _ => CostTable::unmeasured(),
     };
     p.sampling.validate()?;
     dspark_decode::check_prompt(target, prompt)?;

@@ -220,8 +220,8 @@ impl Report {
                     s += &"---|".repeat(g);
                     s += "\n";
                 }
-                s += &format!("| {} | raw head (T = 1) | {} |\n", d.name, f(&raw));
-                s += &format!("| {} | as shipped (STS) | {} |\n", d.name, f(&with));
+                s += &format!("| {} | raw head (T = 1, b = 0) | {} |\n", d.name, f(&raw));
+                s += &format!("| {} | as shipped (its scaling) | {} |\n", d.name, f(&with));
             }
         }
         s

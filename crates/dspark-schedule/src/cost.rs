@@ -39,6 +39,12 @@ fn interpolate(points: &[(usize, f64)], x: usize) -> f64 {
 }
 
 impl CostTable {
+    /// No measurements, for the policies that weigh no costs (fixed, threshold); every cost
+    /// reads 0.
+    pub fn unmeasured() -> Self {
+        Self { model: String::new(), drafter: None, threads: 1, forward: vec![], draft: vec![] }
+    }
+
     /// Seconds for one target forward over `b` tokens.
     pub fn forward_s(&self, b: usize) -> f64 {
         interpolate(&self.forward, b.max(1))
