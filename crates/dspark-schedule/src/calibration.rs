@@ -454,6 +454,23 @@ pub fn reliability_svg(rounds: &[Round], scaling: &Scaling, title: &str) -> Stri
 mod tests {
     use super::*;
 
+    /// `n` rounds of `gamma` head logits uniform in [−1, 4); each draft survives with
+    /// probability `truth(z)` while the ones before it did.
+    fn synthetic(seed: u64, n: usize, gamma: usize, truth: impl Fn(f64) -> f64) -> Vec<Round> {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..n)
+            .map(|_| {
+                let z: Vec<f32> = (0..gamma).map(|_| rng.random_range(-1.0f32..4.0)).collect();
+                let mut accepted = 0;
+                while accepted < gamma && rng.random::<f64>() < truth(z[accepted] as f64) {
+                    accepted += 1;
+                }
+                Round { logits: z, accepted }
+            })
+            .collect()
+    }
+
     #[test]
     fn ece_of_perfect_and_of_overconfident_predictions() {
         assert!(ece(&[0.5, 0.5], &[true, false]).abs() < 1e-12);
@@ -464,19 +481,8 @@ mod tests {
     /// above 1 and the error falls.
     #[test]
     fn sts_cools_an_overconfident_head() {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
-        let rounds: Vec<Round> = (0..4000)
-            .map(|_| {
-                let z: Vec<f32> = (0..3).map(|_| rng.random_range(-1.0f32..4.0)).collect();
-                // True survival uses z / 3: the head's logits are three times too sharp.
-                let mut accepted = 0;
-                while accepted < 3 && rng.random::<f64>() < sigmoid(z[accepted] as f64 / 3.0) {
-                    accepted += 1;
-                }
-                Round { logits: z, accepted }
-            })
-            .collect();
+        // True survival uses z / 3: the head's logits are three times too sharp.
+        let rounds = synthetic(4, 4000, 3, |z| sigmoid(z / 3.0));
         let Fit { scaling, before, after } = fit(&rounds, 3, false);
         let t = scaling.temps;
         for k in 0..3 {
@@ -595,18 +601,7 @@ mod tests {
     /// does, and the fitted b is near −1.5.
     #[test]
     fn offsets_remove_a_constant_overconfidence_that_temperatures_cannot() {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-        let rounds: Vec<Round> = (0..6000)
-            .map(|_| {
-                let z: Vec<f32> = (0..2).map(|_| rng.random_range(-1.0f32..4.0)).collect();
-                let mut accepted = 0;
-                while accepted < 2 && rng.random::<f64>() < sigmoid(z[accepted] as f64 - 1.5) {
-                    accepted += 1;
-                }
-                Round { logits: z, accepted }
-            })
-            .collect();
+        let rounds = synthetic(11, 6000, 2, |z| sigmoid(z - 1.5));
         let sts = fit_held_out(&rounds, 2, false);
         let platt = fit_held_out(&rounds, 2, true);
         assert_eq!(sts.before, platt.before);
