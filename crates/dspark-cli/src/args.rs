@@ -68,6 +68,11 @@ pub struct DrafterArgs {
     /// A cost table from `dspark profile` for `--policy dspark`, instead of measuring one.
     #[arg(long)]
     pub profile: Option<PathBuf>,
+    /// Measure `--policy dspark`'s cost table again instead of reusing the one `generate`
+    /// measured before for this model, drafter, γ, thread count and CPU (kept in
+    /// $DSPARK_HOME/profiles/): after a change to the machine or its load.
+    #[arg(long)]
+    pub reprofile: bool,
 }
 
 /// A cost table from `dspark profile`, with a warning where it was measured for another model
@@ -84,19 +89,44 @@ pub fn load_cost_table(path: &std::path::Path, target_name: &str, drafts: bool) 
     Ok(t)
 }
 
+/// Where `generate` keeps the cost table it measured for this target, drafter, γ, thread count,
+/// kernel path and CPU model: a table is only as good as the machine it was measured on.
+pub fn profile_cache_path(target_name: &str, drafter_name: &str, gamma: usize) -> PathBuf {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.to_string()))
+        .unwrap_or_default();
+    let key = format!(
+        "{target_name}\n{drafter_name}\n{gamma}\n{}\n{}\n{cpu}",
+        dspark_model::pool().current_num_threads(),
+        dspark_kernels::kernel_path().name()
+    );
+    // FNV-1a: stable across builds, unlike std's hasher.
+    let hash =
+        key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
+    let stem: String = target_name
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' })
+        .collect();
+    dspark_hub::home().join("profiles").join(format!("{stem}-{hash:016x}.json"))
+}
+
 /// The survival threshold drafters with a confidence head are verified with unless told
 /// otherwise (the `threshold` policy's default).
 pub const DEFAULT_MIN_SURVIVAL: f32 = 0.3;
 
 impl DrafterArgs {
     /// The verify policy for `drafter` (γ = `gamma`), with the cost table it plans with: read
-    /// from --profile or measured now on this machine.
+    /// from --profile, else (with `reuse`) the one measured before for the same model, drafter,
+    /// γ, threads and CPU, else measured now on this machine (and kept for next time).
+    /// Benchmarks pass `reuse = false`: their figures come with a table of the same minutes.
     pub fn policy_for(
         &self,
         target: &Model,
         target_name: &str,
         drafter: &mut dyn Drafter,
         gamma: usize,
+        reuse: bool,
     ) -> Result<(Policy, Option<CostTable>)> {
         let policy = match (&self.policy, self.min_survival) {
             (Some(_), Some(_)) => bail!("--min-survival P is --policy threshold:P: give one of the two"),
@@ -119,27 +149,58 @@ impl DrafterArgs {
         if !matches!(policy, Policy::Dspark | Policy::DsparkAsync) {
             return Ok((policy, None));
         }
+        let kept = profile_cache_path(target_name, &drafter.name(), gamma);
         let cost = match &self.profile {
             Some(p) => load_cost_table(p, target_name, true)?,
-            None => {
-                let t0 = std::time::Instant::now();
-                let t = dspark_engine::profile_one(target, target_name, drafter, gamma, 7, |_| {})?;
-                let draft = if t.draft.is_empty() {
-                    "drafting is left to the drafter's own gate".to_string()
-                } else {
-                    format!("a drafting round {:.2}×", t.draft_s(1) / t.forward_s(1))
-                };
-                eprintln!(
-                    "cost table: a forward of {} tokens costs {:.2}× one, {draft} (measured in {:.1} s; \
-                     pass --profile FILE to reuse a table from `dspark profile`)",
-                    gamma + 1,
-                    t.forward_s(gamma + 1) / t.forward_s(1),
-                    t0.elapsed().as_secs_f64()
-                );
-                t
-            }
+            None if reuse && !self.reprofile && kept.exists() => match CostTable::load(&kept) {
+                Ok(t) => {
+                    eprintln!(
+                        "cost table: reusing {} (measured before on this machine; --reprofile measures again)",
+                        kept.display()
+                    );
+                    t
+                }
+                Err(e) => {
+                    eprintln!("warning: ignoring the kept cost table: {e}");
+                    self.measure(target, target_name, drafter, gamma, reuse.then_some(&kept))?
+                }
+            },
+            None => self.measure(target, target_name, drafter, gamma, reuse.then_some(&kept))?,
         };
         Ok((policy, Some(cost)))
+    }
+
+    /// Measures the single-request cost table now and, given `keep`, saves it there.
+    fn measure(
+        &self,
+        target: &Model,
+        target_name: &str,
+        drafter: &mut dyn Drafter,
+        gamma: usize,
+        keep: Option<&PathBuf>,
+    ) -> Result<CostTable> {
+        let t0 = std::time::Instant::now();
+        let t = dspark_engine::profile_one(target, target_name, drafter, gamma, 7, |_| {})?;
+        let draft = if t.draft.is_empty() {
+            "drafting is left to the drafter's own gate".to_string()
+        } else {
+            format!("a drafting round {:.2}×", t.draft_s(1) / t.forward_s(1))
+        };
+        eprintln!(
+            "cost table: a forward of {} tokens costs {:.2}× one, {draft} (measured in {:.1} s; \
+             pass --profile FILE to reuse a table from `dspark profile`)",
+            gamma + 1,
+            t.forward_s(gamma + 1) / t.forward_s(1),
+            t0.elapsed().as_secs_f64()
+        );
+        if let Some(path) = keep {
+            // Best effort: a read-only cache costs the next run a measurement, nothing more.
+            let saved = path.parent().map_or(Ok(()), std::fs::create_dir_all).and_then(|_| t.save(path));
+            if let Err(e) = saved {
+                eprintln!("warning: cannot keep the cost table in {}: {e}", path.display());
+            }
+        }
+        Ok(t)
     }
 
     /// The drafter and γ; `None` for plain decoding.

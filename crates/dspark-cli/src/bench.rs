@@ -552,7 +552,7 @@ fn decode(
         stop_tokens: model.tokenizer.eos().to_vec(),
     };
     let (policy, cost) = match drafter.as_mut() {
-        Some((d, gamma)) => spec.policy_for(&model, &m.name(), d.as_mut(), *gamma)?,
+        Some((d, gamma)) => spec.policy_for(&model, &m.name(), d.as_mut(), *gamma, false)?,
         None => (dspark_schedule::Policy::Fixed, None),
     };
     let sp = dspark_engine::SpecParams {

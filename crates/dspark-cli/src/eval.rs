@@ -98,6 +98,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
             min_survival: Some(0.0),
             policy: None,
             profile: None,
+            reprofile: false,
         };
         let (d, mut gamma) = args
             .build(&target, &name)?

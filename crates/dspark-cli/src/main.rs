@@ -172,7 +172,7 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
             (g.tokens, g.finish, Some(g.stats), None)
         }
         Some((mut d, gamma)) => {
-            let (policy, cost) = a.spec.policy_for(&model, &a.model.name(), d.as_mut(), gamma)?;
+            let (policy, cost) = a.spec.policy_for(&model, &a.model.name(), d.as_mut(), gamma, true)?;
             let sp = SpecParams {
                 max_tokens: params.max_tokens,
                 draft_len: gamma,

@@ -61,6 +61,7 @@ impl ServeDrafter {
                     min_survival: Some(0.0),
                     policy: None,
                     profile: None,
+                    reprofile: false,
                 };
                 let (d, gamma) = args.build(target, target_name)?.expect("not plain decoding");
                 let name = d.name();

@@ -276,3 +276,52 @@ fn auto_with_the_shipped_drafter_runs_prompt_after_prompt() {
         assert_eq!(tokens, plain(&m, &prompt, 64));
     }
 }
+
+/// `generate --policy dspark` measures its cost table once per model, drafter, γ and machine and
+/// reuses it after (a second start costs no profiling); `--reprofile` measures again. The output
+/// is plain greedy output every time.
+#[test]
+fn generate_keeps_the_measured_cost_table_and_reuses_it() {
+    let model = common::model("smollm2-135m");
+    let drafter = common::data().join("../drafters/smollm2-135m-dspark-markov");
+    let home = std::env::temp_dir().join(format!("dspark-profiles-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&home);
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "generate".to_string(),
+            "-m".into(),
+            model.display().to_string(),
+            "--prompt".into(),
+            "def fibonacci(n):".into(),
+            "--max-tokens".into(),
+            "24".into(),
+            "--json".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_dspark"))
+            .args(&args)
+            .env("DSPARK_HOME", &home)
+            .output()
+            .expect("run dspark");
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "dspark {args:?}: {stderr}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        (common::ids(&v["tokens"]), stderr)
+    };
+    let (want, _) = run(&["--drafter", "none"]);
+    let spec =
+        ["--drafter", &format!("dspark:{}", drafter.display()), "--policy", "dspark"].map(String::from);
+    let spec: Vec<&str> = spec.iter().map(|s| s.as_str()).collect();
+    let (first, log) = run(&spec);
+    assert!(log.contains("measured in"), "the first start measures: {log}");
+    let kept: Vec<_> = std::fs::read_dir(home.join("profiles")).expect("a profiles folder").collect();
+    assert_eq!(kept.len(), 1, "one table kept");
+    let (second, log) = run(&spec);
+    assert!(log.contains("cost table: reusing") && !log.contains("measured in"), "the second reuses: {log}");
+    let (third, log) = run(&[spec.as_slice(), &["--reprofile"]].concat());
+    assert!(log.contains("measured in"), "--reprofile measures again: {log}");
+    for got in [first, second, third] {
+        assert_eq!(got, want, "speculative output = plain greedy output");
+    }
+    let _ = std::fs::remove_dir_all(&home);
+}
