@@ -7,7 +7,9 @@
 #   one-layer run's last checkpoint deepened by `init-drafter --grow`) | continue (trains on
 #   from the shipped drafter in drafters/: what a new machine, which keeps nothing but the
 #   repository, starts from; LR defaults to 3e-4 for it; once a `continue` run has been shipped,
-#   remove $W/qwen-run-continue so that the next one starts from the new shipped drafter)
+#   remove $W/qwen-run-continue so that the next one starts from the new shipped drafter) |
+#   continue-3l (the shipped two-layer drafter deepened to three by `init-drafter --grow`, which
+#   drafts exactly what it drafted at step 0, trained on; ships in 4 bits, `--format dspark-q4`)
 # Environment: EXTRA, more prompt ranges to answer (below); LR, the peak learning rate of a new run (default 6e-4; a resumed run keeps its own).
 # SAMPLES counts code prompts tried; prompts too long for the 512-token window are skipped.
 # Work files and runs go to $DSPARK_HOME/train (default ~/.cache/dspark/train).
@@ -57,10 +59,10 @@ case $METHOD in
   dspark-markov) args=(--method dspark --head markov) ;;
   dflash) args=(--method dflash) ;;
   dspark-markov-2l) args=(--method dspark --head markov) ;;
-  continue) args=(--method dspark --head markov) ;;
-  *) echo "METHOD must be dspark-markov, dflash, dspark-markov-2l or continue" >&2; exit 2 ;;
+  continue|continue-3l) args=(--method dspark --head markov) ;;
+  *) echo "METHOD must be dspark-markov, dflash, dspark-markov-2l, continue or continue-3l" >&2; exit 2 ;;
 esac
-LR=${LR:-$([ "$METHOD" = continue ] && echo 3e-4 || echo 6e-4)}
+LR=${LR:-$(case $METHOD in continue*) echo 3e-4 ;; *) echo 6e-4 ;; esac)}
 out="$W/qwen-run-$METHOD"
 if [ "$METHOD" = dspark-markov-2l ] && [ ! -d "$out/checkpoints" ]; then
   src=$(ls -d "$W"/qwen-run-dspark-markov/checkpoints/step-* | tail -1)
@@ -71,6 +73,10 @@ if [ "$METHOD" = continue ] && [ ! -d "$out/checkpoints" ]; then
   # The shipped drafter's layout (layers, widths, vocabulary) comes with it; its 8-bit weights
   # are dequantized, and the optimizer starts afresh.
   args+=(--init drafters/$T-dspark-markov)
+fi
+if [ "$METHOD" = continue-3l ] && [ ! -d "$out/checkpoints" ]; then
+  [ -d "$out/init" ] || $D init-drafter --grow drafters/$T-dspark-markov --layers 3 --out "$out/init"
+  args+=(--init "$out/init")
 fi
 # The layout options (layers, widths, vocabulary) shape a fresh drafter only: with --init or
 # --resume the checkpoint's own layout is kept.

@@ -16,7 +16,8 @@ pub struct ExportArgs {
     /// deepspec (DSpark, DFlash with DeepSpec's block, EAGLE-3), zlab (DFlash with the
     /// [anchor, MASK × γ] block), eagle3 (SafeAILab / vLLM), or dspark-q8: ours with every large
     /// matrix in 8 bits (one f32 scale per 32 values; a quarter of the f32 size, what the
-    /// drafter computes with anyway), for shipping.
+    /// drafter computes with anyway), for shipping; dspark-q4: the same in 4 bits (an eighth of
+    /// the size), for drafters too deep for 8 bits under a size limit.
     #[arg(long)]
     format: String,
     /// Output folder (config.json + model.safetensors).
@@ -32,10 +33,15 @@ pub fn run(a: ExportArgs) -> Result<()> {
     if a.out.join("config.json").exists() {
         bail!("{} already holds a checkpoint; choose an empty --out folder", a.out.display());
     }
-    if a.format == "dspark-q8" {
-        let bytes = dspark_drafter_models::compact(&a.drafter, &a.out)?;
+    let quant = match a.format.as_str() {
+        "dspark-q8" => Some((dspark_drafter_models::Quant::Q8, 8)),
+        "dspark-q4" => Some((dspark_drafter_models::Quant::Q4, 4)),
+        _ => None,
+    };
+    if let Some((quant, bits)) = quant {
+        let bytes = dspark_drafter_models::compact(&a.drafter, &a.out, quant)?;
         eprintln!(
-            "wrote {} with 8-bit matrices to {} ({:.1} MB of weights)",
+            "wrote {} with {bits}-bit matrices to {} ({:.1} MB of weights)",
             a.drafter.display(),
             a.out.display(),
             bytes as f64 / 1e6

@@ -50,7 +50,7 @@ impl std::str::FromStr for PublicFormat {
             "zlab" => Ok(Self::Zlab),
             "eagle3" => Ok(Self::Eagle3),
             other => Err(NetworkError::Config(format!(
-                "unknown checkpoint format `{other}`; use deepspec, zlab, eagle3 or dspark-q8"
+                "unknown checkpoint format `{other}`; use deepspec, zlab, eagle3, dspark-q8 or dspark-q4"
             ))),
         }
     }

@@ -16,7 +16,7 @@ pub use common::{DraftVocab, LmHead};
 pub use config::{BlockLayout, DrafterConfig, Extensions, Format, HeadKind, Method, TargetId};
 pub use dflash::{BlockModel, ContextCache, DraftTrace};
 pub use eagle3::{Eagle3Model, EagleCache};
-pub use store::Store;
+pub use store::{Quant, Store};
 
 use candle_core::{Device, Tensor};
 use dspark_model::{Family, Model};
@@ -167,11 +167,11 @@ pub fn grow(src: &Path, layers: usize, dst: &Path) -> Result<()> {
     write_checkpoint(dst, &serde_json::to_string_pretty(&config).expect("config serialises"), &map)
 }
 
-/// Writes checkpoint folder `src` (ours) to `dst` with its large matrices in 8 bits
-/// ([`Store::save_q8`]: what ships in the repository, under its size limit); every other file
-/// of the folder (config, calibration, training log, plots) is copied as it is. Returns the
+/// Writes checkpoint folder `src` (ours) to `dst` with its large matrices in 8 or 4 bits
+/// ([`Store::save_quantized`]: what ships in the repository, under its size limit); every other
+/// file of the folder (config, calibration, training log, plots) is copied as it is. Returns the
 /// bytes of the new weights.
-pub fn compact(src: &Path, dst: &Path) -> Result<u64> {
+pub fn compact(src: &Path, dst: &Path, quant: Quant) -> Result<u64> {
     let io = |p: &Path, e: std::io::Error| NetworkError::Checkpoint(format!("{}: {e}", p.display()));
     let config = read_config(src)?;
     if config.dspark.is_none() {
@@ -193,7 +193,7 @@ pub fn compact(src: &Path, dst: &Path) -> Result<u64> {
         }
     }
     let tmp = dst.join("model.safetensors.partial");
-    let bytes = Store::save_q8(store.map(), &tmp)?;
+    let bytes = Store::save_quantized(store.map(), &tmp, quant)?;
     std::fs::rename(&tmp, dst.join("model.safetensors")).map_err(|e| io(dst, e))?;
     Ok(bytes)
 }

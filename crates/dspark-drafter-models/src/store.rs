@@ -27,8 +27,15 @@ impl Store {
         let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
         let mut map = BTreeMap::new();
         for (name, view) in st.tensors() {
-            if name.ends_with(Q8_SCALE) {
+            if name.ends_with(Q8_SCALE) || name.ends_with(Q4_SCALE) {
                 continue; // read with its matrix
+            }
+            if view.dtype() == S::U8 {
+                if let Ok(scales) = st.tensor(&format!("{name}{Q4_SCALE}")) {
+                    let t = dequantize_q4(&name, &view, &scales).map_err(bad)?;
+                    map.insert(name, t);
+                    continue;
+                }
             }
             if view.dtype() == S::I8 {
                 let scales = st.tensor(&format!("{name}{Q8_SCALE}")).map_err(|_| {
@@ -216,6 +223,13 @@ impl Store {
     /// load) — and the rest (norms, biases, small heads, the vocabulary map) as they are.
     /// [`Store::load`] reads it back as f32. Returns the bytes written.
     pub fn save_q8(map: &BTreeMap<String, Tensor>, path: &Path) -> Result<u64> {
+        Self::save_quantized(map, path, Quant::Q8)
+    }
+
+    /// [`Store::save_q8`] at `quant`'s precision: [`Quant::Q4`] packs two 4-bit values a byte
+    /// (`NAME` as U8 `[rows, cols / 2]`, low nibble first, `NAME.q4_scale` as F32), half the
+    /// size, for drafters too deep for 8 bits under the repository's size limit.
+    pub fn save_quantized(map: &BTreeMap<String, Tensor>, path: &Path, quant: Quant) -> Result<u64> {
         use safetensors::tensor::TensorView;
         use safetensors::Dtype as S;
         let err = |e: String| NetworkError::Checkpoint(format!("cannot write {}: {e}", path.display()));
@@ -229,10 +243,20 @@ impl Store {
                     .and_then(|t| t.flatten_all())
                     .and_then(|t| t.to_vec1())
                     .map_err(|e| err(e.to_string()))?;
-                let (q, d) = quantize_q8(&v);
-                owned.push((name.clone(), S::I8, dims.clone(), q.into_iter().map(|x| x as u8).collect()));
+                let (q, d) = quantize_blocks(&v, quant.max());
+                let (dtype, shape, packed, suffix) = match quant {
+                    Quant::Q8 => (S::I8, dims.clone(), q.into_iter().map(|x| x as u8).collect(), Q8_SCALE),
+                    Quant::Q4 => (
+                        S::U8,
+                        vec![dims[0], dims[1] / 2],
+                        // Offset by 8: the nibbles hold -7..=7 as 1..=15.
+                        q.chunks_exact(2).map(|p| ((p[0] + 8) as u8) | (((p[1] + 8) as u8) << 4)).collect(),
+                        Q4_SCALE,
+                    ),
+                };
+                owned.push((name.clone(), dtype, shape, packed));
                 let db = d.iter().flat_map(|x| x.to_le_bytes()).collect();
-                owned.push((format!("{name}{Q8_SCALE}"), S::F32, vec![dims[0], dims[1] / 32], db));
+                owned.push((format!("{name}{suffix}"), S::F32, vec![dims[0], dims[1] / 32], db));
                 continue;
             }
             let (dtype, bytes) = match t.dtype() {
@@ -278,18 +302,68 @@ impl Store {
 
 /// The suffix of an 8-bit matrix's block scales (see [`Store::save_q8`]).
 pub const Q8_SCALE: &str = ".q8_scale";
+/// The suffix of a 4-bit matrix's block scales (see [`Store::save_quantized`]).
+pub const Q4_SCALE: &str = ".q4_scale";
 
-/// Blocks of 32 values as `round(x / d)` with `d = max|x| / 127` (Q8_0's rule, f32 scales).
-fn quantize_q8(v: &[f32]) -> (Vec<i8>, Vec<f32>) {
+/// The precision [`Store::save_quantized`] stores large matrices at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quant {
+    Q8,
+    Q4,
+}
+
+impl Quant {
+    /// The largest magnitude a block's integers take (symmetric, so 0 stays exact).
+    fn max(self) -> f32 {
+        match self {
+            Quant::Q8 => 127.0,
+            Quant::Q4 => 7.0,
+        }
+    }
+}
+
+/// Blocks of 32 values as `round(x / d)` with `d = max|x| / max` (Q8_0's rule, f32 scales).
+fn quantize_blocks(v: &[f32], max: f32) -> (Vec<i8>, Vec<f32>) {
     let mut q = Vec::with_capacity(v.len());
     let mut d = Vec::with_capacity(v.len() / 32);
     for b in v.chunks_exact(32) {
-        let s = b.iter().fold(0f32, |m, x| m.max(x.abs())) / 127.0;
+        let s = b.iter().fold(0f32, |m, x| m.max(x.abs())) / max;
         let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
-        q.extend(b.iter().map(|x| (x * inv).round().clamp(-127.0, 127.0) as i8));
+        q.extend(b.iter().map(|x| (x * inv).round().clamp(-max, max) as i8));
         d.push(s);
     }
     (q, d)
+}
+
+fn dequantize_q4(
+    name: &str,
+    q: &safetensors::tensor::TensorView,
+    d: &safetensors::tensor::TensorView,
+) -> std::result::Result<Tensor, String> {
+    let packed = q.shape().to_vec();
+    let shape = if packed.len() == 2 { vec![packed[0], packed[1] * 2] } else { packed.clone() };
+    let blocks = q.data().len() * 2 / 32;
+    if packed.len() != 2
+        || shape[1] % 32 != 0
+        || d.dtype() != safetensors::Dtype::F32
+        || d.data().len() != blocks * 4
+    {
+        return Err(format!(
+            "4-bit tensor `{name}` {packed:?} (two values a byte) does not match its scales {:?} {:?} \
+             (one f32 per 32 values)",
+            d.dtype(),
+            d.shape()
+        ));
+    }
+    let mut out = Vec::with_capacity(q.data().len() * 2);
+    for (b, s) in q.data().chunks_exact(16).zip(d.data().chunks_exact(4)) {
+        let s = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+        for &x in b {
+            out.push(((x & 15) as i32 - 8) as f32 * s);
+            out.push(((x >> 4) as i32 - 8) as f32 * s);
+        }
+    }
+    Tensor::from_vec(out, shape, &Device::Cpu).map_err(|e| format!("tensor `{name}`: {e}"))
 }
 
 fn dequantize_q8(
@@ -386,6 +460,48 @@ mod tests {
         }
         assert_eq!(back.map()["bias"].to_vec1::<f32>().unwrap(), vec![0.1, -2.5, 3.25]);
         assert_eq!(back.map()["d2t"].to_vec1::<i64>().unwrap(), vec![5, -1, 9]);
+    }
+
+    #[test]
+    fn four_bit_checkpoints_read_back_within_half_a_step_at_an_eighth_of_the_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let (rows, cols) = (300, 256);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let mut w: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-0.3f32..0.3)).collect();
+        w[..32].iter_mut().for_each(|x| *x = 0.0); // an all-zero block stays zero
+        let mut map = BTreeMap::new();
+        map.insert("w".to_string(), Tensor::from_vec(w.clone(), (rows, cols), &Device::Cpu).unwrap());
+        map.insert("bias".to_string(), Tensor::new(&[0.1f32, -2.5, 3.25], &Device::Cpu).unwrap());
+        let (q4, f32p) = (dir.path().join("q4.safetensors"), dir.path().join("f32.safetensors"));
+        let bytes = Store::save_quantized(&map, &q4, Quant::Q4).unwrap();
+        Store::save(&map, &f32p).unwrap();
+        assert!(bytes * 6 < std::fs::metadata(&f32p).unwrap().len(), "4-bit file is not small");
+        let back = Store::load(&q4).unwrap();
+        assert_eq!(back.map().len(), 2, "the scales are not tensors of the drafter");
+        assert_eq!(back.map()["w"].dims(), &[rows, cols]);
+        let got: Vec<f32> = back.map()["w"].flatten_all().unwrap().to_vec1().unwrap();
+        for (b, (g, x)) in got.chunks(32).zip(w.chunks(32)).enumerate() {
+            let half_step = x.iter().fold(0f32, |m, v| m.max(v.abs())) / 7.0 / 2.0;
+            for (g, x) in g.iter().zip(x) {
+                assert!((g - x).abs() <= half_step * 1.001, "block {b}: {g} vs {x}");
+            }
+        }
+        assert!(got[..32].iter().all(|&g| g == 0.0), "an all-zero block reads back as zeros");
+        assert_eq!(back.map()["bias"].to_vec1::<f32>().unwrap(), vec![0.1, -2.5, 3.25]);
+    }
+
+    #[test]
+    fn a_four_bit_matrix_whose_scales_do_not_match_is_refused_by_name() {
+        use safetensors::tensor::TensorView;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("bad.safetensors");
+        let (data, scales) = (vec![0x88u8; 32], vec![0u8; 4]);
+        let v = TensorView::new(safetensors::Dtype::U8, vec![2, 16], &data).unwrap();
+        let d = TensorView::new(safetensors::Dtype::F32, vec![1, 1], &scales).unwrap();
+        let views = vec![("fc.weight".to_string(), v), (format!("fc.weight{Q4_SCALE}"), d)];
+        safetensors::serialize_to_file(views, None, &p).unwrap();
+        let e = Store::load(&p).err().expect("refused").to_string();
+        assert!(e.contains("fc.weight") && e.contains("4-bit"), "{e}");
     }
 
     #[test]
