@@ -9,7 +9,12 @@ the target answers them itself (`dspark data regenerate`), and `dspark data prom
 standard library's docstrings are under the PSF licence; the prompts are not committed, the answers the
 target gave them are (data/train/README.md, with the licence notice).
 
-Usage: scripts/stdlib_code_prompts.py OUT.jsonl [--seed 0]
+Usage: scripts/stdlib_code_prompts.py OUT.jsonl [--seed 0] [--root DIR]
+
+`--root` reads another source tree instead, e.g. a permissively licensed package unpacked from
+PyPI (`pip download --no-deps --no-binary :all: sympy`, then its folder): more prompts in the
+same domain once the standard library's are all answered. Record the package and its licence in
+data/train/README.md when its answers are committed.
 """
 import argparse
 import ast
@@ -85,8 +90,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--root", type=Path, help="a source tree to read instead of the standard library")
     a = ap.parse_args()
-    root = Path(sysconfig.get_paths()["stdlib"])
+    root = a.root or Path(sysconfig.get_paths()["stdlib"])
     rng = random.Random(a.seed)
     seen, out = set(), []
     for path in sorted(root.rglob("*.py")):
@@ -101,7 +107,8 @@ def main() -> int:
     with open(a.out, "w", encoding="utf-8") as f:
         for p in out:
             f.write(json.dumps({"prompt": p}, ensure_ascii=False) + "\n")
-    print(f"{len(out)} prompts from the standard library in {root} → {a.out}", file=sys.stderr)
+    what = "the standard library" if a.root is None else "the source tree"
+    print(f"{len(out)} prompts from {what} in {root} → {a.out}", file=sys.stderr)
     return 0
 
 

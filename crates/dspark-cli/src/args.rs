@@ -50,19 +50,19 @@ pub struct DrafterArgs {
     #[arg(long)]
     pub draft_len: Option<usize>,
     /// Verify only the drafts whose predicted prefix survival (product of a DSpark drafter's
-    /// calibrated confidences) is at least this; 0 verifies all γ. Default: 0.3 for drafters
-    /// with a confidence head (DSpark, and `auto` with a shipped DSpark drafter; a weak
-    /// drafter's unlikely drafts then cost no verification), 0 for the others. Output unchanged
-    /// either way.
+    /// calibrated confidences) is at least this (`--policy threshold:P`); 0 verifies all γ.
+    /// Drafters with a confidence head (DSpark, and `auto` with a shipped DSpark drafter) are
+    /// scheduled by `--policy dspark` unless told otherwise. Output unchanged either way.
     #[arg(long)]
     pub min_survival: Option<f32>,
     /// How many of each round's drafts to verify: `fixed` (all γ), `threshold:P` (while the
     /// predicted prefix survival is at least P; the same as `--min-survival P`), `dspark`
     /// (DSpark's Algorithm 1: as many as pay on this machine's cost curve, which is measured in
-    /// a few seconds at start unless --profile gives one; drafting pauses while even the best
-    /// plan would be slower than plain decoding) or `dspark-async`. The last three need a
-    /// drafter with a confidence head. Default: threshold:0.3 for those drafters, fixed for the
-    /// others. Output unchanged either way.
+    /// a few seconds on the first run and kept for the next, unless --profile gives one;
+    /// drafting pauses while even the best plan would be slower than plain decoding) or
+    /// `dspark-async`. The last three need a drafter with a confidence head. Default: dspark
+    /// for those drafters (measured ahead of threshold:0.3 on code and chat, docs/TRAINING.md),
+    /// fixed for the others. Output unchanged either way.
     #[arg(long)]
     pub policy: Option<String>,
     /// A cost table from `dspark profile` for `--policy dspark`, instead of measuring one.
@@ -111,10 +111,6 @@ pub fn profile_cache_path(target_name: &str, drafter_name: &str, gamma: usize) -
     dspark_hub::home().join("profiles").join(format!("{stem}-{hash:016x}.json"))
 }
 
-/// The survival threshold drafters with a confidence head are verified with unless told
-/// otherwise (the `threshold` policy's default).
-pub const DEFAULT_MIN_SURVIVAL: f32 = 0.3;
-
 impl DrafterArgs {
     /// The verify policy for `drafter` (γ = `gamma`), with the cost table it plans with: read
     /// from --profile, else (with `reuse`) the one measured before for the same model, drafter,
@@ -133,7 +129,7 @@ impl DrafterArgs {
             (Some(p), None) => p.parse::<Policy>()?,
             (None, Some(p)) if p > 0.0 => Policy::Threshold(p),
             (None, Some(_)) => Policy::Fixed,
-            (None, None) if drafter.has_confidence() => Policy::Threshold(DEFAULT_MIN_SURVIVAL),
+            (None, None) if drafter.has_confidence() => Policy::Dspark,
             (None, None) => Policy::Fixed,
         };
         if policy == Policy::Plain {
