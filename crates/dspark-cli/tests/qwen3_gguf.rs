@@ -148,20 +148,29 @@ fn generate(model: &Path, drafter: &str) -> (Vec<u32>, serde_json::Value) {
     (tokens, stats)
 }
 
+/// Every draft verified (`--policy fixed`): the default, Algorithm 1, may stop drafting where a
+/// tiny target's cost curve says drafts do not pay, and these tests are about what drafts do.
 fn generate_with_prompt(model: &Path, drafter: &str) -> (Vec<u32>, serde_json::Value, Vec<u32>) {
-    let out = common::dspark_json(&[
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        "qwen3:drafts_must_not_change_a_single_token!",
-        "--raw",
-        "--max-tokens",
-        "24",
-        "--drafter",
-        drafter,
-        "--json",
-    ]);
+    let policy: &[&str] = if drafter == "none" { &[] } else { &["--policy", "fixed"] };
+    let out = common::dspark_json(
+        &[
+            &[
+                "generate",
+                "--model",
+                model.to_str().unwrap(),
+                "--prompt",
+                "qwen3:drafts_must_not_change_a_single_token!",
+                "--raw",
+                "--max-tokens",
+                "24",
+                "--drafter",
+                drafter,
+                "--json",
+            ],
+            policy,
+        ]
+        .concat(),
+    );
     (common::ids(&out["tokens"]), out["stats"].clone(), common::ids(&out["prompt_tokens"]))
 }
 
