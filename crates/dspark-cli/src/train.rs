@@ -51,6 +51,11 @@ pub struct TrainArgs {
     /// Peak learning rate (AdamW, 4 % warmup, cosine to 0).
     #[arg(long, default_value_t = 6e-4)]
     lr: f64,
+    /// DSpark's cross-entropy weight (the paper's 0.1 beside L1 0.9 and BCE 1.0). The L1 term
+    /// trains sampled acceptance; cross-entropy on the target's own greedy token trains top-1
+    /// agreement, which is what greedy verification accepts. Ignored by other methods.
+    #[arg(long)]
+    ce_weight: Option<f64>,
     #[arg(long, default_value_t = 100)]
     checkpoint_every: usize,
     /// Use the first N samples of --data.
@@ -68,6 +73,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let steps = a.steps.unwrap_or(1000);
     if steps == 0 || a.batch == 0 || a.anchors == 0 {
         bail!("--steps, --batch and --anchors must be at least 1");
+    }
+    if let Some(w) = a.ce_weight.filter(|w| !(w.is_finite() && *w >= 0.0)) {
+        bail!("--ce-weight must be a finite number ≥ 0, got {w}");
     }
     let target_arg = ModelArg { model: a.target.clone() };
     let target = Arc::new(target_arg.load()?);
@@ -118,6 +126,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         lr: a.lr,
         seed: a.opts.seed,
         checkpoint_every: a.checkpoint_every,
+        ce_weight: a.ce_weight,
         ..Default::default()
     };
     let mut t = Trainer::new(target, &name, &init, data, cfg, &a.out, a.resume)?;
@@ -129,6 +138,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let c = &t.cfg;
     if let Some(s) = a.steps.filter(|&s| a.resume && s != c.steps) {
         eprintln!("--steps {s} ignored: the resumed run keeps its schedule of {} steps", c.steps);
+    }
+    if a.resume && a.ce_weight.is_some() && a.ce_weight != c.ce_weight {
+        eprintln!("--ce-weight ignored: the resumed run keeps its loss mix");
     }
     if a.resume && a.lr != c.lr {
         eprintln!("--lr {} ignored: the resumed run keeps its peak learning rate {}", a.lr, c.lr);

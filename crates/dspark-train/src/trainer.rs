@@ -41,6 +41,10 @@ pub struct TrainConfig {
     pub checkpoint_every: usize,
     /// EAGLE-3's per-step loss decay.
     pub ttt_decay: f64,
+    /// DSpark's cross-entropy weight in place of the paper's 0.1 (L1 0.9 and BCE 1.0 stay).
+    /// Absent in runs saved before it existed, which keep the paper's mix.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ce_weight: Option<f64>,
 }
 
 impl Default for TrainConfig {
@@ -57,6 +61,7 @@ impl Default for TrainConfig {
             seed: 0,
             checkpoint_every: 100,
             ttt_decay: 0.8,
+            ce_weight: None,
         }
     }
 }
@@ -333,8 +338,12 @@ impl Trainer {
                 }
                 t.p_target = self.target_probs(&fin, &rows)?;
                 let (logits, conf) = m.train_heads(&hidden, &prev)?;
-                let mix: Mix =
-                    if self.config.ext().method == Method::Dspark { loss::DSPARK } else { loss::CE_ONLY };
+                let mix: Mix = match self.config.ext().method {
+                    Method::Dspark => {
+                        Mix { ce: self.cfg.ce_weight.unwrap_or(loss::DSPARK.ce), ..loss::DSPARK }
+                    }
+                    _ => loss::CE_ONLY,
+                };
                 ph.forward += t0.elapsed().as_secs_f64();
                 let t0 = Instant::now();
                 let out = loss::loss(&logits, conf.as_ref(), &t, mix)?;

@@ -302,3 +302,31 @@ fn a_grown_drafter_computes_what_it_grew_from() {
     let err = dspark_drafter_models::grow(dir.path(), 2, &dir.path().join("g")).unwrap_err().to_string();
     assert!(err.contains("EAGLE-3"), "{err}");
 }
+
+/// `ce_weight` scales DSpark's cross-entropy term alone: the loss is linear in it with a
+/// positive slope (the cross-entropy), the paper's 0.1 is the default, and a run saved before
+/// the field existed reads back with the paper's mix.
+#[test]
+fn the_cross_entropy_weight_moves_only_the_cross_entropy_term() {
+    let tdir = tempfile::tempdir().unwrap();
+    let t = target(tdir.path());
+    let (_, o) = cases().remove(0);
+    let init = tempfile::tempdir().unwrap();
+    dspark_drafter_models::init(t.clone(), "tiny", &o).unwrap().save(init.path()).unwrap();
+    let loss_at = |w: Option<f64>| {
+        let out = tempfile::tempdir().unwrap();
+        let c = TrainConfig { ce_weight: w, ..cfg(4) };
+        let mut tr = Trainer::new(t.clone(), "tiny", init.path(), samples(), c, out.path(), false).unwrap();
+        tr.batch_loss(1).unwrap().0.to_scalar::<f32>().unwrap() as f64
+    };
+    let (paper, w01, w11, w21) = (loss_at(None), loss_at(Some(0.1)), loss_at(Some(1.1)), loss_at(Some(2.1)));
+    assert!((paper - w01).abs() < 1e-6, "default {paper} vs 0.1 {w01}");
+    let (d1, d2) = (w11 - w01, w21 - w11);
+    assert!(d1 > 0.1, "one unit of cross-entropy weight added {d1}");
+    assert!((d1 - d2).abs() < 1e-4 * d1, "not linear: {d1} then {d2}");
+    let mut old = serde_json::to_value(cfg(4)).unwrap();
+    assert!(old.get("ce_weight").is_none(), "an unset weight is not written");
+    old.as_object_mut().unwrap().remove("ce_weight");
+    let back: TrainConfig = serde_json::from_value(old).unwrap();
+    assert_eq!(back.ce_weight, None);
+}
