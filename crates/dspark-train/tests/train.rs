@@ -316,7 +316,7 @@ fn the_cross_entropy_weight_moves_only_the_cross_entropy_term() {
     let loss_at = |w: Option<f64>| {
         let out = tempfile::tempdir().unwrap();
         let c = TrainConfig { ce_weight: w, ..cfg(4) };
-        let mut tr = Trainer::new(t.clone(), "tiny", init.path(), samples(), c, out.path(), false).unwrap();
+        let tr = Trainer::new(t.clone(), "tiny", init.path(), samples(), c, out.path(), false).unwrap();
         tr.batch_loss(1).unwrap().0.to_scalar::<f32>().unwrap() as f64
     };
     let (paper, w01, w11, w21) = (loss_at(None), loss_at(Some(0.1)), loss_at(Some(1.1)), loss_at(Some(2.1)));
