@@ -64,12 +64,79 @@ impl Gate {
         }
         let spec_rate = self.probe_tokens as f64 / self.probe_s;
         let plain_rate = self.plain_steps as f64 / self.plain_s;
-        if spec_rate < plain_rate {
+        // A probe whose drafts were all rejected committed one token a round, as plain steps do,
+        // and paid for drafting on top: it cannot pay, whatever the clock said. Where verifying a
+        // block costs about one step (a small target, AMX), timing noise alone would keep such a
+        // drafter going (CI saw 32 rounds against 6 plain steps).
+        let accepted_nothing = self.probe_tokens <= self.probe_rounds;
+        if accepted_nothing || spec_rate < plain_rate {
             self.pause = self.next_pause;
             self.next_pause = (self.next_pause * 4).min(MAX_PAUSE);
         } else {
             self.next_pause = FIRST_PAUSE;
         }
         (self.probe_s, self.probe_tokens, self.probe_rounds) = (0.0, 0, 0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Steps of the gate until it drafts, recording `plain_s` per plain step.
+    fn plain_until_drafting(g: &mut Gate, plain_s: f64) -> usize {
+        let mut n = 0;
+        while !g.drafts() {
+            g.record(false, 1, plain_s);
+            n += 1;
+            assert!(n < 10_000, "the gate never drafts again");
+        }
+        n
+    }
+
+    #[test]
+    fn a_probe_that_accepts_nothing_pauses_even_when_timed_faster_than_plain() {
+        let mut g = Gate::default();
+        assert_eq!(plain_until_drafting(&mut g, 0.010), PLAIN_SAMPLES);
+        for _ in 0..PROBE_ROUNDS {
+            g.record(true, 1, 0.001);
+        }
+        assert_eq!(plain_until_drafting(&mut g, 0.010), FIRST_PAUSE);
+        for _ in 0..PROBE_ROUNDS {
+            g.record(true, 1, 0.001);
+        }
+        // Failing again pauses four times longer.
+        assert_eq!(plain_until_drafting(&mut g, 0.010), 4 * FIRST_PAUSE);
+    }
+
+    #[test]
+    fn a_probe_that_commits_faster_than_plain_keeps_drafting() {
+        let mut g = Gate::default();
+        plain_until_drafting(&mut g, 0.010);
+        for _ in 0..3 * PROBE_ROUNDS {
+            assert!(g.drafts());
+            // Three tokens in 1.5 plain steps' time: 2x plain.
+            g.record(true, 3, 0.015);
+        }
+        assert!(g.drafts());
+    }
+
+    #[test]
+    fn a_probe_that_accepts_but_commits_slower_than_plain_pauses_and_a_later_win_resets_the_pause() {
+        let mut g = Gate::default();
+        plain_until_drafting(&mut g, 0.010);
+        for _ in 0..PROBE_ROUNDS {
+            // Two tokens in three plain steps' time.
+            g.record(true, 2, 0.030);
+        }
+        assert_eq!(plain_until_drafting(&mut g, 0.010), FIRST_PAUSE);
+        for _ in 0..PROBE_ROUNDS {
+            g.record(true, 4, 0.010);
+        }
+        for _ in 0..PROBE_ROUNDS {
+            g.record(true, 1, 0.010);
+        }
+        // The win reset the pause: the next failure pauses for the first pause again.
+        assert_eq!(plain_until_drafting(&mut g, 0.010), FIRST_PAUSE);
     }
 }
