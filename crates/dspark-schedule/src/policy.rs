@@ -209,7 +209,11 @@ impl Scheduler {
             .sum();
         let verify_tokens = survival.len() + lengths.iter().sum::<usize>();
         let plan = Plan { lengths, expected_tokens, verify_tokens };
-        if matches!(self.policy, Policy::Dspark | Policy::DsparkAsync) {
+        // A step with no drafts at all (a drafter with nothing to propose, such as `auto` while
+        // its own gate keeps the model drafter out) paid for no drafting and says nothing about
+        // whether drafting pays: counted, four of them paused the drafter that was doing well.
+        let drafted = survival.iter().any(|a| !a.is_empty());
+        if drafted && matches!(self.policy, Policy::Dspark | Policy::DsparkAsync) {
             self.gate(&plan, survival.len());
         }
         plan
@@ -377,6 +381,11 @@ mod tests {
             let a = if round % 3 == 1 { &hard } else { &good };
             let plan = s.plan(std::slice::from_ref(a));
             assert_eq!(plan.lengths[0] == 0, round % 3 == 1, "round {round}: {:?}", plan.lengths);
+        }
+        // Steps without drafts are not judged: they neither pause drafting nor count as a probe.
+        for _ in 0..4 * WINDOW_PLANS {
+            assert!(s.should_draft());
+            assert_eq!(s.plan(&[vec![]]).lengths, vec![0]);
         }
         // A run of hard rounds does pause it.
         let paused = (0..WINDOW_PLANS).any(|_| {
