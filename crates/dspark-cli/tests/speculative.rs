@@ -255,7 +255,8 @@ fn auto_stops_asking_a_drafter_that_does_not_pay_and_keeps_the_output() {
 
 /// `--drafter auto` as `bench decode` and `eval` use it: one drafter, prompt after prompt, with
 /// the shipped DSpark drafter inside. Each sequence starts clean (no rows held back from the last
-/// one reach the model drafter) and the output is plain greedy output.
+/// one reach the model drafter), rounds go to prompt lookup or to the DSpark drafter (fed every
+/// row either way), and the output is plain greedy output.
 #[test]
 fn auto_with_the_shipped_drafter_runs_prompt_after_prompt() {
     let m = std::sync::Arc::new(Model::load(&common::model("smollm2-135m")).unwrap());
@@ -271,10 +272,17 @@ fn auto_with_the_shipped_drafter_runs_prompt_after_prompt() {
     )
     .unwrap();
     let mut d = dspark_drafters::AutoDrafter::new(Some(net), 3);
-    for prompt in math_and_code(&m, 3) {
+    // A copying prompt, where prompt lookup matches and competes with the confidence head.
+    let copy = "Repeat this list exactly, one item per line: apple, banana, cherry, damson, elderberry, \
+                fig, grape, honeydew, apple, banana, cherry, damson, elderberry, fig, grape, honeydew.";
+    let mut prompts = math_and_code(&m, 3);
+    prompts.push(m.tokenizer.encode(&m.chat_prompt(copy).unwrap(), true).unwrap());
+    for prompt in prompts {
         let (tokens, _) = spec(&m, &mut d, &prompt, 64, 7);
         assert_eq!(tokens, plain(&m, &prompt, 64));
     }
+    assert!(d.model_rounds > 0, "the DSpark drafter drafted");
+    assert!(d.lookup_over_model_rounds > 0, "prompt lookup won some rounds against the confidence head");
 }
 
 /// `generate --policy dspark` measures its cost table once per model, drafter, γ and machine and
