@@ -126,7 +126,7 @@ impl Drafter for AutoDrafter {
             let mine = m.propose(context, max_len, params)?;
             let model_first = mine.confidence.as_ref().and_then(|c| c.first()).copied().unwrap_or(0.0);
             let (source, proposal) =
-                if !found.is_empty() && lookup_first(self.lookup_tries) > model_first as f64 {
+                if !found.is_empty() && lookup_p > model_first as f64 {
                     (Source::LookupOverModel, found)
                 } else {
                     (Source::Model, mine)
@@ -175,7 +175,7 @@ impl Drafter for AutoDrafter {
             Source::LookupOverModel | Source::SureLookup => {
                 self.lookup_over_model_rounds += 1;
                 self.lookup_tries.0 += 1.0;
-                self.lookup_tries.1 += (accepted > 0) as u8 as f64;
+                self.lookup_tries.1 += if accepted > 0 { 1.0 } else { 0.0 };
             }
             Source::Untimed => {}
         }
