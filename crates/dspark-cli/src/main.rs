@@ -217,9 +217,10 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         eprintln!("{line}]");
         if let Some(s) = spec_stats.as_ref().filter(|s| s.plain_steps > 0 && a.spec.drafter == "auto") {
             eprintln!(
-                "[auto: {} of {} steps decoded plainly: no prompt-lookup match, and the \
-                 model drafter (if any) did not pay here (probed again now and then); --drafter \
-                 DIR or NAME forces drafting]",
+                "[auto: {} of {} steps decoded plainly: drafting was predicted (from the \
+                 drafter's confidences and this machine's cost curve) or measured not to pay \
+                 there, and is probed again now and then; `--drafter DIR --policy fixed` drafts \
+                 and verifies at every step]",
                 s.plain_steps,
                 s.plain_steps + s.rounds
             );

@@ -125,12 +125,11 @@ impl Drafter for AutoDrafter {
             }
             let mine = m.propose(context, max_len, params)?;
             let model_first = mine.confidence.as_ref().and_then(|c| c.first()).copied().unwrap_or(0.0);
-            let (source, proposal) =
-                if !found.is_empty() && lookup_p > model_first as f64 {
-                    (Source::LookupOverModel, found)
-                } else {
-                    (Source::Model, mine)
-                };
+            let (source, proposal) = if !found.is_empty() && lookup_p > model_first as f64 {
+                (Source::LookupOverModel, found)
+            } else {
+                (Source::Model, mine)
+            };
             self.round = Some((source, t0));
             return Ok(proposal);
         }
