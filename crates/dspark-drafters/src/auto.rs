@@ -199,3 +199,96 @@ const SURE_LOOKUP: f64 = 0.9;
 fn lookup_first((tries, survived): (f64, f64)) -> f64 {
     (survived + 1.6) / (tries + 2.0)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dspark_spec::DraftDist;
+    use std::sync::{Arc, Mutex};
+
+    /// A drafter with a confidence head: every draft token 99 at first confidence `c1`. Logs
+    /// its proposals and the accepted counts it is told.
+    struct Confident {
+        c1: f32,
+        log: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl Drafter for Confident {
+        fn name(&self) -> String {
+            "confident".into()
+        }
+        fn has_confidence(&self) -> bool {
+            true
+        }
+        fn begin(&mut self, _: &[u32], _: &TargetFeatures, _: u64) -> DraftResult<()> {
+            Ok(())
+        }
+        fn propose(&mut self, _: &[u32], n: usize, _: &SamplingParams) -> DraftResult<Proposal> {
+            self.log.lock().unwrap().push("propose".into());
+            Ok(Proposal {
+                tokens: vec![99; n],
+                dists: vec![DraftDist::OneHot; n],
+                confidence: Some(vec![self.c1; n]),
+            })
+        }
+        fn observe(&mut self, _: &[u32], accepted: usize, f: &TargetFeatures) -> DraftResult<()> {
+            self.log.lock().unwrap().push(format!("observe {accepted} rows {}", f.rows));
+            Ok(())
+        }
+    }
+
+    fn rows(n: usize) -> TargetFeatures {
+        TargetFeatures { rows: n, taps: vec![], final_norm: None }
+    }
+
+    /// Prompt lookup wins rounds while its first drafts survive more often than the model's
+    /// first confidence, is asked alone once it is nearly always right, and loses the rounds to
+    /// the model once it keeps failing; the model is told of every round it drafted for.
+    #[test]
+    fn lookup_and_a_confidence_head_compete_on_first_draft_survival() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let model = Confident { c1: 0.3, log: log.clone() };
+        let mut d = AutoDrafter::new(Some(Box::new(model)), 3);
+        // "1 2 3" occurred before: lookup proposes 4 5 1.
+        let ctx = [1u32, 2, 3, 4, 5, 1, 2, 3];
+        let greedy = SamplingParams::default();
+        d.begin(&ctx, &rows(ctx.len() - 1), 0).unwrap();
+        let mut entered = 0;
+        let mut round = |d: &mut AutoDrafter, accepted: usize| {
+            let p = d.propose(&ctx, 7, &greedy).unwrap();
+            d.observe(&ctx, accepted, &rows(accepted + 1)).unwrap();
+            entered += accepted + 1;
+            p.tokens
+        };
+        // Optimistic at first (0.8 > 0.3): lookup's drafts, and the model was asked and told 0.
+        assert_eq!(round(&mut d, 3), vec![4, 5, 1]);
+        assert_eq!(*log.lock().unwrap(), ["propose", "observe 0 rows 4"]);
+        // Right every time: past 0.9 the model is no longer asked.
+        while log.lock().unwrap().len() < 100 {
+            let before = log.lock().unwrap().len();
+            assert_eq!(round(&mut d, 3), vec![4, 5, 1]);
+            if log.lock().unwrap().len() == before {
+                break;
+            }
+        }
+        let asked = log.lock().unwrap().len();
+        assert!(asked < 100, "lookup that keeps surviving is asked alone");
+        assert!(lookup_first(d.lookup_tries) >= SURE_LOOKUP);
+        // Failing every time, lookup falls under the model's 0.3 and the model's drafts win.
+        let mut lost = 0;
+        while round(&mut d, 0) == vec![4, 5, 1] {
+            lost += 1;
+            assert!(lost < 1000, "lookup that keeps failing loses the rounds");
+        }
+        assert!(lookup_first(d.lookup_tries) <= 0.3 + 1e-9);
+        // Every row that entered the cache reached the model, those of rounds it sat out before
+        // it drafted again.
+        let fed: usize = log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|l| l.strip_prefix("observe ")?.rsplit(' ').next()?.parse::<usize>().ok())
+            .sum();
+        assert_eq!(fed, entered);
+    }
+}
