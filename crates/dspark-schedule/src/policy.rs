@@ -221,10 +221,8 @@ impl Scheduler {
 
     /// Pauses drafting when the latest plans, together, predict fewer tokens per second than
     /// plain steps would commit in the same time.
+    /// Called for steps with drafts only, so `requests` ≥ 1.
     fn gate(&mut self, plan: &Plan, requests: usize) {
-        if requests == 0 {
-            return;
-        }
         let c = &self.cost;
         let with_s = c.draft_s(requests) + c.forward_s(plan.verify_tokens);
         self.plans.push_back((plan.expected_tokens, with_s, c.forward_s(requests), requests));
