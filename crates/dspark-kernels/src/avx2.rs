@@ -1,7 +1,9 @@
 //! AVX2 + FMA + F16C kernels over the column tiles ([`crate::packed`]). A tile's 16 columns
 //! are two halves of 8 lanes here, each computed in its own pass over the tile's records (the
-//! second finds them in cache); the integers come from `maddubs` + `madd` (exact: no pair of
-//! products reaches i16 saturation for these formats), and the float work is the lane-wise
+//! second finds them in cache). The integers come from `maddubs`, summed in i16 over as many
+//! chunks as cannot saturate (a whole 32-value block of 4-bit integers) and widened by one
+//! `madd` against the block's scale: AVX2 has no `vpdpbusd`, and a `madd` per chunk was half
+//! the multiply port's work. Integer sums are exact, and the float work is the lane-wise
 //! operations of [`crate::scalar`] in the same order, so results are the other paths' bits.
 
 #![allow(unsafe_op_in_unsafe_fn)]
@@ -12,8 +14,17 @@ use crate::packed::{PackedMatrix, ScaleKind, GROUP, NT};
 use crate::x86::{by_format, prefetch_part, Fmt, Ints};
 use std::arch::x86_64::*;
 
-/// Rows a tile call computes at most (16 registers: 3 accumulators per row and the weights).
-const MAX_R: usize = 3;
+/// Rows a tile call computes at most: 4 reuses each unpacked weight vector most within 16
+/// registers (an i16 and an i32 accumulator per row, the weights); Q8_0, whose bytes need no
+/// unpacking but whose dot products take more registers, is fastest at 3 (both measured on a
+/// Zen 3, docs/BENCHMARKS.md).
+const fn max_rows<F: Fmt>() -> usize {
+    if matches!(F::INTS, Ints::Byte) {
+        3
+    } else {
+        4
+    }
+}
 
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; `x` was quantized with `w.nbp` blocks per row;
@@ -24,7 +35,7 @@ pub unsafe fn range(w: &PackedMatrix, x: &Q8Rows, t0: usize, t1: usize, out: *mu
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn range_f<F: Fmt>(w: &PackedMatrix, x: &Q8Rows, t0: usize, t1: usize, out: *mut f32, ldo: usize) {
-    let per = x.rows.div_ceil(x.rows.div_ceil(MAX_R));
+    let per = x.rows.div_ceil(x.rows.div_ceil(max_rows::<F>()));
     let mut r0 = 0;
     while r0 < x.rows {
         let rt = per.min(x.rows - r0);
@@ -32,6 +43,7 @@ unsafe fn range_f<F: Fmt>(w: &PackedMatrix, x: &Q8Rows, t0: usize, t1: usize, ou
             for h in 0..2 {
                 let first = r0 == 0 && h == 0;
                 match rt {
+                    4 => tile::<F, 4>(w, t, h, x, r0, out, ldo, first),
                     3 => tile::<F, 3>(w, t, h, x, r0, out, ldo, first),
                     2 => tile::<F, 2>(w, t, h, x, r0, out, ldo, first),
                     _ => tile::<F, 1>(w, t, h, x, r0, out, ldo, first),
@@ -53,24 +65,20 @@ unsafe fn bits_to_bytes(m: u32) -> __m256i {
     _mm256_cmpeq_epi8(_mm256_or_si256(bytes, mask), _mm256_set1_epi64x(-1))
 }
 
-/// Σ of each 4-byte group of `u·a` as i32 (`u` unsigned, at most 63, or Q8_0's biased bytes,
-/// which are multiplied as signed values instead).
+/// Σ of each 4-byte group of `u·a` as i32 for Q8_0, whose biased bytes are multiplied as
+/// signed values (a product of two bytes can reach 128², so its pairs cannot share an i16).
 #[inline(always)]
-unsafe fn dot4<F: Fmt>(u: __m256i, a: __m256i) -> __m256i {
-    let one = _mm256_set1_epi16(1);
-    if F::INTS == Ints::Byte {
-        let q = _mm256_xor_si256(u, _mm256_set1_epi8(-128));
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(a, q)), one);
-    }
-    _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), one)
+unsafe fn dot4_byte(u: __m256i, a: __m256i) -> __m256i {
+    let q = _mm256_xor_si256(u, _mm256_set1_epi8(-128));
+    _mm256_madd_epi16(
+        _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(a, q)),
+        _mm256_set1_epi16(1),
+    )
 }
 
-/// Adds the dot products of chunks `ch0..ch0 + n` of half `h` of a record to `p`. Q8_0's
-/// integers come out signed (see `dot4`); the others are the stored unsigned ones.
+/// Adds Q8_0's dot products of chunks `ch0..ch0 + n` of half `h` of a record to `p` as i32.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn dots<F: Fmt, const R: usize>(
-    w: &PackedMatrix,
+unsafe fn dots_byte<const R: usize>(
     rec: *const u8,
     h: usize,
     ch0: usize,
@@ -79,19 +87,40 @@ unsafe fn dots<F: Fmt, const R: usize>(
     lda: usize,
     p: &mut [__m256i; R],
 ) {
-    let bcast =
-        |r: usize, ch: usize| _mm256_set1_epi32((a.add(r * lda + 4 * ch) as *const i32).read_unaligned());
-    if F::INTS == Ints::Byte {
-        for ch in ch0..ch0 + n {
-            let wv = _mm256_loadu_si256(rec.add(ch * 64 + 32 * h) as *const _);
-            for r in 0..R {
-                p[r] = _mm256_add_epi32(p[r], dot4::<F>(wv, bcast(r, ch)));
-            }
+    for ch in ch0..ch0 + n {
+        let wv = _mm256_loadu_si256(rec.add(ch * 64 + 32 * h) as *const _);
+        for r in 0..R {
+            p[r] = _mm256_add_epi32(p[r], dot4_byte(wv, bcast(a, r, lda, ch)));
         }
-        return;
     }
+}
+
+/// The 4 activation bytes of chunk `ch` of row `r`, in every lane.
+#[inline(always)]
+unsafe fn bcast(a: *const u8, r: usize, lda: usize, ch: usize) -> __m256i {
+    _mm256_set1_epi32((a.add(r * lda + 4 * ch) as *const i32).read_unaligned())
+}
+
+/// The dot products of the nibble formats' vectors `s0..s0 + ns` (chunks `2·s0..2·(s0 + ns)`)
+/// of half `h` of a record, per row as **i16 pairs**: each 32-bit lane holds its column's two
+/// partial sums, which a `madd` against the block's scale (or 1) then folds into one i32. Summing
+/// in i16 halves the multiply-port work of `maddubs` + `madd` per chunk, and is exact as long as
+/// `2·ns` chunks of `2·u_max·128` stay below 2¹⁵: callers pass 4 vectors of 4-bit integers (a
+/// 32-value block: 8 · 3 840), 2 of 5-bit (4 · 7 936) or 1 of 6-bit (2 · 16 128).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn dots16<F: Fmt, const R: usize>(
+    w: &PackedMatrix,
+    rec: *const u8,
+    h: usize,
+    s0: usize,
+    ns: usize,
+    a: *const u8,
+    lda: usize,
+) -> [__m256i; R] {
+    let mut p = [_mm256_setzero_si256(); R];
     let m4 = _mm256_set1_epi8(0x0F);
-    for s in ch0 / 2..(ch0 + n) / 2 {
+    for s in s0..s0 + ns {
         let v = _mm256_loadu_si256(rec.add(s * 64 + 32 * h) as *const _);
         let mut lo = _mm256_and_si256(v, m4);
         let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
@@ -117,8 +146,52 @@ unsafe fn dots<F: Fmt, const R: usize>(
             _ => {}
         }
         for r in 0..R {
-            p[r] = _mm256_add_epi32(p[r], dot4::<F>(lo, bcast(r, 2 * s)));
-            p[r] = _mm256_add_epi32(p[r], dot4::<F>(hi, bcast(r, 2 * s + 1)));
+            let d = _mm256_add_epi16(
+                _mm256_maddubs_epi16(lo, bcast(a, r, lda, 2 * s)),
+                _mm256_maddubs_epi16(hi, bcast(a, r, lda, 2 * s + 1)),
+            );
+            p[r] = _mm256_add_epi16(p[r], d);
+        }
+    }
+    p
+}
+
+/// Per column lane, the i32 `v` in both of its i16 halves: the partner of [`dots16`]'s pairs in
+/// `madd`, for a scale that fits an i16.
+#[inline(always)]
+unsafe fn both_halves(v: __m256i) -> __m256i {
+    _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32::<16>(v))
+}
+
+/// Adds the dot products of chunks `8·j..8·j + 8` (one 32-value block) of half `h` of a record
+/// to `p` as i32.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn block_dots<F: Fmt, const R: usize>(
+    w: &PackedMatrix,
+    rec: *const u8,
+    h: usize,
+    j: usize,
+    a: *const u8,
+    lda: usize,
+    p: &mut [__m256i; R],
+) {
+    let one = _mm256_set1_epi16(1);
+    match F::INTS {
+        Ints::Byte => dots_byte::<R>(rec, h, 8 * j, 8, a, lda, p),
+        Ints::Five => {
+            for half in 0..2 {
+                let s = dots16::<F, R>(w, rec, h, 4 * j + 2 * half, 2, a, lda);
+                for r in 0..R {
+                    p[r] = _mm256_add_epi32(p[r], _mm256_madd_epi16(s[r], one));
+                }
+            }
+        }
+        _ => {
+            let s = dots16::<F, R>(w, rec, h, 4 * j, 4, a, lda);
+            for r in 0..R {
+                p[r] = _mm256_add_epi32(p[r], _mm256_madd_epi16(s[r], one));
+            }
         }
     }
 }
@@ -171,7 +244,7 @@ unsafe fn tile<F: Fmt, const R: usize>(
                         prefetch_part(rec, w.rec.size, j, 8);
                     }
                     let mut p = [z; R];
-                    dots::<F, R>(w, rec, h, 8 * j, 8, a, lda, &mut p);
+                    block_dots::<F, R>(w, rec, h, j, a, lda, &mut p);
                     let dw = _mm256_cvtph_ps(_mm_loadu_si128(rec.add(w.rec.d + 32 * j + 16 * h) as *const _));
                     let mw = if F::MIN {
                         _mm256_cvtph_ps(_mm_loadu_si128(rec.add(w.rec.m + 32 * j + 16 * h) as *const _))
@@ -200,11 +273,12 @@ unsafe fn tile<F: Fmt, const R: usize>(
                     if prefetch {
                         prefetch_part(rec, w.rec.size, j, 8);
                     }
-                    let mut p = [z; R];
-                    dots::<F, R>(w, rec, h, 8 * j, 8, a, lda, &mut p);
-                    let sc = bytes(w.rec.sc + 16 * j);
+                    // The block's 6-bit scale multiplies its i16 pairs in the `madd` that
+                    // widens them (exact: 63 · 2 · 30 720 < 2³¹).
+                    let p = dots16::<F, R>(w, rec, h, 4 * j, 4, a, lda);
+                    let sc = both_halves(bytes(w.rec.sc + 16 * j));
                     for r in 0..R {
-                        i[r] = _mm256_add_epi32(i[r], _mm256_mullo_epi32(p[r], sc));
+                        i[r] = _mm256_add_epi32(i[r], _mm256_madd_epi16(p[r], sc));
                     }
                 }
                 let m = pair_sums::<R>(rec.add(w.rec.mn + 32 * h), 4, |r, i| {
@@ -224,12 +298,14 @@ unsafe fn tile<F: Fmt, const R: usize>(
                     if prefetch {
                         prefetch_part(rec, w.rec.size, l, 16);
                     }
-                    let mut p = [z; R];
-                    dots::<F, R>(w, rec, h, 4 * l, 4, a, lda, &mut p);
-                    let sc =
-                        _mm256_cvtepi8_epi32(_mm_loadl_epi64(rec.add(w.rec.sc + 16 * l + 8 * h) as *const _));
-                    for r in 0..R {
-                        i[r] = _mm256_add_epi32(i[r], _mm256_mullo_epi32(p[r], sc));
+                    let sc = both_halves(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                        rec.add(w.rec.sc + 16 * l + 8 * h) as *const _,
+                    )));
+                    for s in 0..2 {
+                        let p = dots16::<F, R>(w, rec, h, 2 * l + s, 1, a, lda);
+                        for r in 0..R {
+                            i[r] = _mm256_add_epi32(i[r], _mm256_madd_epi16(p[r], sc));
+                        }
                     }
                 }
                 // The integers are stored plus 32: I −= 32 · Σ_l sc_l · hsum_l.
