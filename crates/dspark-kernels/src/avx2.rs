@@ -17,7 +17,7 @@ use std::arch::x86_64::*;
 /// Rows a tile call computes at most: 4 reuses each unpacked weight vector most within 16
 /// registers (an i16 and an i32 accumulator per row, the weights); Q8_0, whose bytes need no
 /// unpacking but whose dot products take more registers, is fastest at 3 (both measured on a
-/// Zen 3, docs/BENCHMARKS.md).
+/// Zen 2, docs/BENCHMARKS.md).
 const fn max_rows<F: Fmt>() -> usize {
     if matches!(F::INTS, Ints::Byte) {
         3
