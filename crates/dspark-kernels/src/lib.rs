@@ -221,6 +221,73 @@ mod tests {
         }
     }
 
+    /// Integers at their largest magnitude against activations at theirs: where a path sums
+    /// products in a narrow type (AVX2 keeps a block's `maddubs` sums in i16), a sum that
+    /// saturated would show here as a difference from the scalar definition.
+    #[test]
+    fn the_largest_integers_give_the_scalar_definition_on_every_path() {
+        const ONE: [u8; 2] = [0x00, 0x3C]; // f16 1.0
+        let all = [
+            QuantFormat::Q4_0,
+            QuantFormat::Q4_1,
+            QuantFormat::Q5_0,
+            QuantFormat::Q5_1,
+            QuantFormat::Q8_0,
+            QuantFormat::Q4K,
+            QuantFormat::Q6K,
+        ];
+        for fmt in all {
+            let (n, k) = (20, 512);
+            let per_row = if matches!(fmt, QuantFormat::Q4K | QuantFormat::Q6K) { k / 256 } else { k / QK };
+            let mut block = vec![0xFFu8; fmt.block_bytes()];
+            match fmt {
+                // -128: the one byte whose magnitude exceeds 127.
+                QuantFormat::Q8_0 => block[2..].fill(0x80),
+                QuantFormat::Q6K => block[192..208].fill(0x7F),
+                _ => {}
+            }
+            match fmt {
+                QuantFormat::Q6K => block[208..210].copy_from_slice(&ONE),
+                QuantFormat::Q4_1 | QuantFormat::Q5_1 | QuantFormat::Q4K => {
+                    block[0..2].copy_from_slice(&ONE);
+                    block[2..4].copy_from_slice(&ONE);
+                }
+                _ => block[0..2].copy_from_slice(&ONE),
+            }
+            let data = block.repeat(n * per_row);
+            let w = PackedMatrix::from_gguf(fmt, &data, n, k);
+            // Rows of +1 and of −1 quantize to ±127 everywhere; the last mixes signs.
+            let m = 9;
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| match i / k {
+                    r if r == m - 1 => {
+                        if i % 3 == 0 {
+                            -1.0
+                        } else {
+                            1.0
+                        }
+                    }
+                    r if r % 2 == 0 => 1.0,
+                    _ => -1.0,
+                })
+                .collect();
+            let mut want = vec![0f32; m * n];
+            matmul_on(KernelPath::Scalar, &w, &x, m, &mut want);
+            assert!(want.iter().all(|v| v.is_finite() && *v != 0.0), "{fmt:?}: degenerate reference");
+            for path in [KernelPath::Amx, KernelPath::Avx512Vnni, KernelPath::Avx2] {
+                if !path.available() {
+                    eprintln!("skipped {}: this CPU lacks it", path.name());
+                    continue;
+                }
+                for rows in 1..=m {
+                    let mut y = vec![0f32; rows * n];
+                    matmul_on(path, &w, &x[..rows * k], rows, &mut y);
+                    assert_eq!(y, want[..rows * n], "{fmt:?} {} rows={rows}", path.name());
+                }
+            }
+        }
+    }
+
     #[test]
     fn rows_dequantize_like_candle() {
         let k = 512;
