@@ -255,7 +255,17 @@ pub fn block_gamma(draft_len: Option<usize>, block: usize) -> Result<usize> {
 
 /// The DSpark drafter shipped with the repository for a target name, if there is one.
 pub fn shipped_drafter(target_name: &str) -> Option<PathBuf> {
-    let dir = dspark_hub::drafters_dir()?.join(format!("{target_name}-dspark-markov"));
+    let Some(root) = dspark_hub::drafters_dir() else {
+        // A binary copied out of the repository finds no drafters and would silently draft with
+        // prompt lookup alone.
+        eprintln!(
+            "note: no drafters/ folder beside the binary or in {}, so `auto` drafts with prompt \
+             lookup only; link or copy the repository's drafters/ there for its DSpark drafters",
+            dspark_hub::home().join("drafters").display()
+        );
+        return None;
+    };
+    let dir = root.join(format!("{target_name}-dspark-markov"));
     dir.join("config.json").exists().then_some(dir)
 }
 
