@@ -105,7 +105,7 @@ unsafe fn bcast(a: *const u8, r: usize, lda: usize, ch: usize) -> __m256i {
 /// of half `h` of a record, per row as **i16 pairs**: each 32-bit lane holds its column's two
 /// partial sums, which a `madd` against the block's scale (or 1) then folds into one i32. Summing
 /// in i16 halves the multiply-port work of `maddubs` + `madd` per chunk, and is exact as long as
-/// `2·ns` chunks of `2·u_max·128` stay below 2¹⁵: callers pass 4 vectors of 4-bit integers (a
+/// `2·ns` chunks of `2·u_max·128` stay below 2¹⁵: [`run_len`] vectors, 4 of 4-bit integers (a
 /// 32-value block: 8 · 3 840), 2 of 5-bit (4 · 7 936) or 1 of 6-bit (2 · 16 128).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
@@ -163,35 +163,35 @@ unsafe fn both_halves(v: __m256i) -> __m256i {
     _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32::<16>(v))
 }
 
-/// Adds the dot products of chunks `8·j..8·j + 8` (one 32-value block) of half `h` of a record
-/// to `p` as i32.
+/// Vectors of a format's integers whose [`dots16`] sums cannot saturate an i16 (see there).
+const fn run_len<F: Fmt>() -> usize {
+    match F::INTS {
+        Ints::Five => 2,
+        Ints::Six => 1,
+        _ => 4,
+    }
+}
+
+/// Adds to `acc` the dot products of vectors `s0..s0 + n` of half `h` of a record as i32, each
+/// pair of i16 sums widened by a `madd` against `scale` (1, or a block's scale in both halves
+/// of its column's lane), in runs of [`run_len`] vectors.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn block_dots<F: Fmt, const R: usize>(
+unsafe fn add_widened<F: Fmt, const R: usize>(
     w: &PackedMatrix,
     rec: *const u8,
     h: usize,
-    j: usize,
+    s0: usize,
+    n: usize,
     a: *const u8,
     lda: usize,
-    p: &mut [__m256i; R],
+    scale: __m256i,
+    acc: &mut [__m256i; R],
 ) {
-    let one = _mm256_set1_epi16(1);
-    match F::INTS {
-        Ints::Byte => dots_byte::<R>(rec, h, 8 * j, 8, a, lda, p),
-        Ints::Five => {
-            for half in 0..2 {
-                let s = dots16::<F, R>(w, rec, h, 4 * j + 2 * half, 2, a, lda);
-                for r in 0..R {
-                    p[r] = _mm256_add_epi32(p[r], _mm256_madd_epi16(s[r], one));
-                }
-            }
-        }
-        _ => {
-            let s = dots16::<F, R>(w, rec, h, 4 * j, 4, a, lda);
-            for r in 0..R {
-                p[r] = _mm256_add_epi32(p[r], _mm256_madd_epi16(s[r], one));
-            }
+    for s in (s0..s0 + n).step_by(run_len::<F>()) {
+        let p = dots16::<F, R>(w, rec, h, s, run_len::<F>(), a, lda);
+        for r in 0..R {
+            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p[r], scale));
         }
     }
 }
@@ -244,7 +244,11 @@ unsafe fn tile<F: Fmt, const R: usize>(
                         prefetch_part(rec, w.rec.size, j, 8);
                     }
                     let mut p = [z; R];
-                    block_dots::<F, R>(w, rec, h, j, a, lda, &mut p);
+                    if F::INTS == Ints::Byte {
+                        dots_byte::<R>(rec, h, 8 * j, 8, a, lda, &mut p);
+                    } else {
+                        add_widened::<F, R>(w, rec, h, 4 * j, 4, a, lda, _mm256_set1_epi16(1), &mut p);
+                    }
                     let dw = _mm256_cvtph_ps(_mm_loadu_si128(rec.add(w.rec.d + 32 * j + 16 * h) as *const _));
                     let mw = if F::MIN {
                         _mm256_cvtph_ps(_mm_loadu_si128(rec.add(w.rec.m + 32 * j + 16 * h) as *const _))
@@ -275,11 +279,8 @@ unsafe fn tile<F: Fmt, const R: usize>(
                     }
                     // The block's 6-bit scale multiplies its i16 pairs in the `madd` that
                     // widens them (exact: 63 · 2 · 30 720 < 2³¹).
-                    let p = dots16::<F, R>(w, rec, h, 4 * j, 4, a, lda);
                     let sc = both_halves(bytes(w.rec.sc + 16 * j));
-                    for r in 0..R {
-                        i[r] = _mm256_add_epi32(i[r], _mm256_madd_epi16(p[r], sc));
-                    }
+                    add_widened::<F, R>(w, rec, h, 4 * j, 4, a, lda, sc, &mut i);
                 }
                 let m = pair_sums::<R>(rec.add(w.rec.mn + 32 * h), 4, |r, i| {
                     *x.bpair.get_unchecked(blk(r) / 2 + i)
@@ -301,12 +302,7 @@ unsafe fn tile<F: Fmt, const R: usize>(
                     let sc = both_halves(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
                         rec.add(w.rec.sc + 16 * l + 8 * h) as *const _,
                     )));
-                    for s in 0..2 {
-                        let p = dots16::<F, R>(w, rec, h, 2 * l + s, 1, a, lda);
-                        for r in 0..R {
-                            i[r] = _mm256_add_epi32(i[r], _mm256_madd_epi16(p[r], sc));
-                        }
-                    }
+                    add_widened::<F, R>(w, rec, h, 2 * l, 2, a, lda, sc, &mut i);
                 }
                 // The integers are stored plus 32: I −= 32 · Σ_l sc_l · hsum_l.
                 let hb =

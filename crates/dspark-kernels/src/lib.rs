@@ -227,16 +227,8 @@ mod tests {
     #[test]
     fn the_largest_integers_give_the_scalar_definition_on_every_path() {
         const ONE: [u8; 2] = [0x00, 0x3C]; // f16 1.0
-        let all = [
-            QuantFormat::Q4_0,
-            QuantFormat::Q4_1,
-            QuantFormat::Q5_0,
-            QuantFormat::Q5_1,
-            QuantFormat::Q8_0,
-            QuantFormat::Q4K,
-            QuantFormat::Q6K,
-        ];
-        for fmt in all {
+        let all = FORMATS.into_iter().chain([GgmlDType::Q4K, GgmlDType::Q6K]);
+        for fmt in all.map(|f| QuantFormat::from_ggml(f).unwrap()) {
             let (n, k) = (20, 512);
             let per_row = if matches!(fmt, QuantFormat::Q4K | QuantFormat::Q6K) { k / 256 } else { k / QK };
             let mut block = vec![0xFFu8; fmt.block_bytes()];
