@@ -90,16 +90,22 @@ pub fn load_cost_table(path: &std::path::Path, target_name: &str, drafts: bool) 
 }
 
 /// Where `generate` keeps the cost table it measured for this target, drafter, γ, thread count,
-/// kernel path and CPU model: a table is only as good as the machine it was measured on.
+/// kernel path, drafting weights and CPU model: a table is only as good as the machine (and the
+/// drafting cost) it was measured on.
 pub fn profile_cache_path(target_name: &str, drafter_name: &str, gamma: usize) -> PathBuf {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.to_string()))
         .unwrap_or_default();
     let key = format!(
-        "{target_name}\n{drafter_name}\n{gamma}\n{}\n{}\n{cpu}",
+        "{target_name}\n{drafter_name}\n{gamma}\n{}\n{}\n{cpu}{}",
         dspark_model::pool().current_num_threads(),
-        dspark_kernels::kernel_path().name()
+        dspark_kernels::kernel_path().name(),
+        // Tables kept before this key had it were measured on 8-bit drafting: none matches now.
+        match dspark_drafter_models::DraftWeights::from_env() {
+            Ok(w) => format!("\nweights {w:?}"),
+            Err(_) => String::new(),
+        }
     );
     // FNV-1a: stable across builds, unlike std's hasher.
     let hash =

@@ -268,8 +268,11 @@ fn draft(
     let mut feats: std::collections::HashMap<Vec<usize>, TargetFeatures> = Default::default();
     if !json {
         println!(
-            "target {name}  context {context}  threads {}  draft layers {layers}  (median of {reps})",
-            rayon_threads()
+            "target {name}  context {context}  threads {}  draft layers {layers}  drafting weights {:?}  \
+             kernels {}  (median of {reps})",
+            rayon_threads(),
+            dspark_drafter_models::DraftWeights::from_env()?,
+            kernels_in_use(),
         );
         println!("target forward: 1 token {single:.2} ms");
         println!(

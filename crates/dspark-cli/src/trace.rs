@@ -63,7 +63,7 @@ pub fn run(a: TraceArgs) -> Result<()> {
         bail!("prompt token {bad} is outside the target's vocabulary of {vocab}");
     }
     let target_name = crate::ModelArg { model: a.target.clone() }.name();
-    // f32 throughout (no 8-bit drafting weights): the point is to compare numbers.
+    // f32 throughout (no quantized drafting weights): the point is to compare numbers.
     let net = dspark_drafter_models::load(&a.drafter, target.clone(), &target_name)
         .with_context(|| format!("loading drafter {}", a.drafter.display()))?;
     let gamma = net.config().gamma();

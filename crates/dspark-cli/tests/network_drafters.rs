@@ -17,7 +17,7 @@ fn smollm2() -> Arc<Model> {
     Arc::new(Model::load(&common::model("smollm2-135m")).unwrap())
 }
 
-/// A fresh drafter with 8-bit drafting weights, as `--drafter` loads them.
+/// A fresh drafter with quantized drafting weights, as `--drafter` loads them.
 fn drafter(m: &Arc<Model>, o: &InitOptions) -> Box<dyn Drafter> {
     let mut net = dspark_drafter_models::init(m.clone(), "smollm2-135m", o).unwrap();
     net.quantize_for_inference().unwrap();
@@ -249,7 +249,7 @@ fn repeating(m: &Arc<Model>, o: &InitOptions) -> Box<dyn Drafter> {
     candle_core::safetensors::save(&map, &st).unwrap();
     let mut net = dspark_drafter_models::load(dir.path(), m.clone(), "smollm2-135m").unwrap();
     if o.head == HeadKind::Rnn {
-        net.quantize_for_inference().unwrap(); // 8-bit drafting weights for the RNN cases
+        net.quantize_for_inference().unwrap(); // quantized drafting weights for the RNN cases
     }
     Box::new(BlockDrafter::from_net(net, "dspark").unwrap())
 }

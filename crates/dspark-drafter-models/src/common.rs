@@ -5,6 +5,7 @@ use crate::config::DrafterConfig;
 use crate::nn::{Attention, Linear, Mlp};
 use crate::store::{Init, Initializer, Store};
 use crate::{NetworkError, Result};
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use dspark_kernels::QLinear;
 use dspark_model::{Family, Model};
@@ -62,12 +63,12 @@ pub fn init_all(init: &mut Initializer, specs: Vec<Spec>) -> Result<()> {
 }
 
 impl DecoderLayer {
-    pub fn quantize(&mut self) -> Result<()> {
+    pub fn quantize(&mut self, format: GgmlDType) -> Result<()> {
         let a = &mut self.attn;
         for l in
             [&mut a.q, &mut a.k, &mut a.v, &mut a.o, &mut self.mlp.gate, &mut self.mlp.up, &mut self.mlp.down]
         {
-            l.quantize()?;
+            l.quantize(format)?;
         }
         Ok(())
     }
@@ -258,12 +259,11 @@ impl LmHead {
         })
     }
 
-    /// An 8-bit copy of a dense head for drafting.
-    pub fn quantize(&mut self) -> Result<()> {
+    /// A quantized copy of a dense head for drafting.
+    pub fn quantize(&mut self, format: GgmlDType) -> Result<()> {
         if let Self::Dense(w) = self {
             if w.dim(1)? % 32 == 0 {
-                let q =
-                    candle_core::quantized::QTensor::quantize(w, candle_core::quantized::GgmlDType::Q8_0)?;
+                let q = candle_core::quantized::QTensor::quantize(w, format)?;
                 *self = Self::Rows(QLinear::from_qtensor(q, dspark_kernels::KernelChoice::from_env())?);
             }
         }

@@ -15,6 +15,7 @@ use crate::config::{BlockLayout, DrafterConfig, HeadKind, Method};
 use crate::nn::{rms_norm, sigmoid, Linear, Rope};
 use crate::store::{Init, Store};
 use crate::{NetworkError, Result};
+use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor, D};
 use dspark_model::Model;
 use std::collections::BTreeMap;
@@ -244,22 +245,23 @@ impl BlockModel {
         &self.tensors
     }
 
-    /// Drafts through 8-bit copies of the backbone and head weights (outputs within about 1 % of
-    /// f32; the distributions handed to verification are still exactly those sampled from).
-    pub fn quantize_for_inference(&mut self) -> Result<()> {
-        self.fc.quantize()?;
+    /// Drafts through `format` copies of the backbone and head weights (see
+    /// [`crate::DraftWeights`]; the distributions handed to verification are still exactly those
+    /// sampled from, so the output stays the target's whatever the format).
+    pub fn quantize_for_inference(&mut self, format: GgmlDType) -> Result<()> {
+        self.fc.quantize(format)?;
         for l in &mut self.layers {
-            l.quantize()?;
+            l.quantize(format)?;
         }
-        self.lm_head.quantize()?;
+        self.lm_head.quantize(format)?;
         if let Some(c) = &mut self.confidence {
-            c.quantize()?;
+            c.quantize(format)?;
         }
         match &mut self.head {
-            Some(SeqHead::Markov { w2, .. }) => w2.quantize()?,
+            Some(SeqHead::Markov { w2, .. }) => w2.quantize(format)?,
             Some(SeqHead::Rnn { cell, w2, .. }) => {
-                cell.quantize()?;
-                w2.quantize()?;
+                cell.quantize(format)?;
+                w2.quantize(format)?;
             }
             None => {}
         }

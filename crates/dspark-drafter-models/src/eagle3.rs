@@ -15,6 +15,7 @@ use crate::dflash::DraftTrace;
 use crate::nn::{causal_mask, rms_norm, Linear, Rope};
 use crate::store::{Init, Store};
 use crate::{NetworkError, Result};
+use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor, D};
 use dspark_model::Model;
 use std::collections::BTreeMap;
@@ -123,11 +124,11 @@ impl Eagle3Model {
         &self.tensors
     }
 
-    /// Drafts through 8-bit copies of the weights (see [`crate::BlockModel::quantize_for_inference`]).
-    pub fn quantize_for_inference(&mut self) -> Result<()> {
-        self.fc.quantize()?;
-        self.layer.quantize()?;
-        self.lm_head.quantize()
+    /// Drafts through `format` copies of the weights (see [`crate::DraftWeights`]).
+    pub fn quantize_for_inference(&mut self, format: GgmlDType) -> Result<()> {
+        self.fc.quantize(format)?;
+        self.layer.quantize(format)?;
+        self.lm_head.quantize(format)
     }
 
     pub fn gamma(&self) -> usize {

@@ -154,15 +154,16 @@ impl Linear {
         Self { weight, bias, fast: None, thin: None }
     }
 
-    /// Drafts through an 8-bit copy of the weight (our Q8_0 kernels) from now on, or through an
-    /// 8-bit [`Panels`] copy where the input is too narrow for those to pay ([`THIN_IN`]).
-    pub fn quantize(&mut self) -> Result<()> {
+    /// Drafts through a copy of the weight in `format` (our quantized kernels) from now on, or
+    /// through an 8-bit [`Panels`] copy where the input is too narrow for those to pay
+    /// ([`THIN_IN`]).
+    pub fn quantize(&mut self, format: GgmlDType) -> Result<()> {
         if self.weight.dim(1)? <= THIN_IN {
             let (out, inp) = self.weight.dims2()?;
             let w = self.weight.flatten_all()?.to_vec1::<f32>()?;
             self.thin = Some(Arc::new(Panels::new(&w, out, inp)));
         } else if self.weight.dim(1)? % 32 == 0 {
-            let q = QTensor::quantize(&self.weight, GgmlDType::Q8_0)?;
+            let q = QTensor::quantize(&self.weight, format)?;
             self.fast = Some(Arc::new(QLinear::from_qtensor(q, KernelChoice::from_env())?));
         }
         Ok(())
@@ -887,15 +888,23 @@ pub fn causal_mask(tq: usize, past: usize, device: &Device) -> Result<Tensor> {
 mod tests {
     use super::*;
 
-    /// Drafting's products after `quantize` equal the f32 definition within 8-bit rounding, on
-    /// the thin panels (rank 32 with a bias, a full panel, a ragged one) and the Q8_0 kernels.
+    /// Drafting's products after `quantize` equal the f32 definition within the rounding of
+    /// their format, on the thin panels (rank 32 with a bias, a full panel, a ragged one: 8 bits
+    /// whatever the format) and the Q8_0 and Q4_0 kernels.
     #[test]
     fn drafting_products_match_the_f32_forward() {
         let dev = Device::Cpu;
         let vals = |n: usize, s: f32| (0..n).map(|i| ((i as f32 + 1.0) * s).sin()).collect::<Vec<_>>();
-        for (out, inp, tol) in
-            [(300, 32, 2e-2), (70, 32, 2e-2), (64, 64, 2e-2), (40, 7, 2e-2), (50, 128, 3e-2)]
-        {
+        let cases = [
+            (GgmlDType::Q8_0, 300, 32, 2e-2),
+            (GgmlDType::Q8_0, 70, 32, 2e-2),
+            (GgmlDType::Q8_0, 64, 64, 2e-2),
+            (GgmlDType::Q8_0, 40, 7, 2e-2),
+            (GgmlDType::Q8_0, 50, 128, 3e-2),
+            (GgmlDType::Q4_0, 70, 32, 2e-2),
+            (GgmlDType::Q4_0, 50, 128, 0.1),
+        ];
+        for (format, out, inp, tol) in cases {
             let w = Tensor::from_vec(vals(out * inp, 0.37), (out, inp), &dev).unwrap();
             let b = Tensor::from_vec(vals(out, 1.1), out, &dev).unwrap();
             let x = vals(3 * inp, 0.53);
@@ -907,12 +916,12 @@ mod tests {
                 .to_vec1::<f32>()
                 .unwrap();
             let mut l = Linear::new(w, Some(b));
-            l.quantize().unwrap();
+            l.quantize(format).unwrap();
             assert_eq!(l.thin.is_some(), inp <= THIN_IN);
             let got = l.forward_vec(&x, 3).unwrap();
             let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
             for (g, w) in got.iter().zip(&want) {
-                assert!((g - w).abs() <= tol * scale, "in {inp}: {g} vs {w}");
+                assert!((g - w).abs() <= tol * scale, "{format:?} in {inp}: {g} vs {w}");
             }
         }
     }

@@ -43,8 +43,9 @@ pub fn load_network_drafter(
     })
 }
 
-/// The network of a drafter checkpoint of `method`, with its 8-bit drafting weights, and its
-/// display name (`method:folder`); a checkpoint of another method is refused.
+/// The network of a drafter checkpoint of `method`, with its quantized drafting weights
+/// ([`dspark_drafter_models::DraftWeights`]), and its display name (`method:folder`); a
+/// checkpoint of another method is refused.
 pub fn load_network(
     method: Method,
     dir: &Path,
