@@ -12,8 +12,8 @@ use std::sync::Arc;
 pub struct Linear {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
-    /// An 8-bit copy of `weight` for drafting: f32 weights make drafting memory-bound (see
-    /// `dspark bench draft`); training never sets it.
+    /// A quantized copy of `weight` for drafting (Q4_0 by default, [`crate::DraftWeights`]): f32
+    /// weights make drafting memory-bound (see `dspark bench draft`); training never sets it.
     fast: Option<Arc<QLinear>>,
     /// The weight in 8-bit panels instead of `fast` for a product this thin (the sequential
     /// heads' rank-32 `W2`, one row per drafted position): the Q8_0 kernels pay a fixed cost per
