@@ -69,7 +69,8 @@ pub struct DrafterArgs {
     #[arg(long)]
     pub profile: Option<PathBuf>,
     /// Measure `--policy dspark`'s cost table again instead of reusing the one `generate`
-    /// measured before for this model, drafter, γ, thread count and CPU (kept in
+    /// measured before for this model, drafter, γ, thread count, kernel path, drafting weights
+    /// and CPU (kept in
     /// $DSPARK_HOME/profiles/): after a change to the machine or its load.
     #[arg(long)]
     pub reprofile: bool,
@@ -102,9 +103,10 @@ pub fn profile_cache_path(target_name: &str, drafter_name: &str, gamma: usize) -
         dspark_model::pool().current_num_threads(),
         dspark_kernels::kernel_path().name(),
         // Tables kept before this key had it were measured on 8-bit drafting: none matches now.
+        // `main` refuses an unknown value before any command runs.
         match dspark_drafter_models::DraftWeights::from_env() {
             Ok(w) => format!("\nweights {w:?}"),
-            Err(_) => String::new(),
+            Err(e) => format!("\n{e}"),
         }
     );
     // FNV-1a: stable across builds, unlike std's hasher.

@@ -355,6 +355,8 @@ fn draft(
         println!(
             "{}",
             serde_json::json!({"model": m.model, "context": context, "threads": rayon_threads(),
+                "kernels": dspark_kernels::kernel_path().name(),
+                "drafting_weights": format!("{:?}", dspark_drafter_models::DraftWeights::from_env()?),
                 "draft_layers": layers, "draft_intermediate": intermediate, "target_token_ms": single, "rounds": rows})
         );
     }
@@ -397,7 +399,9 @@ fn kernels(reps: usize, training_only: bool) -> Result<()> {
         return training_matmuls(reps);
     }
     let shapes = [(576usize, 1536usize), (1536, 576), (576, 49152), (1536, 8960)];
-    let formats = [GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K];
+    // Q4_0: the drafters' default drafting weights; the others: the GGUF targets' formats.
+    let formats =
+        [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K];
     println!(
         "{:<6} {:>12} {:>5} {:>12} {:>12} {:>8}",
         "format", "K×N", "batch", "candle GF/s", "dspark GF/s", "speedup"
@@ -607,6 +611,8 @@ fn decode(
     if let Some(d) = &drafter {
         let spec_tok_s = stats.decode_tok_s();
         out["drafter"] = d.0.name().into();
+        out["kernels"] = dspark_kernels::kernel_path().name().into();
+        out["drafting_weights"] = format!("{:?}", dspark_drafter_models::DraftWeights::from_env()?).into();
         out["draft_len"] = d.1.into();
         out["policy"] = sp.policy.to_string().into();
         out["spec_tok_s"] = spec_tok_s.into();

@@ -353,6 +353,9 @@ fn check_env() -> Result<()> {
     if let Some(e) = dspark_kernels::kernel_env_error() {
         bail!("{e}");
     }
+    // Checked here too, not only where a network drafter loads: an n-gram run would otherwise
+    // accept a misspelt value in silence.
+    dspark_drafter_models::DraftWeights::from_env()?;
     // candle asks for its thread count on every matmul and, unless RAYON_NUM_THREADS is set,
     // counts physical cores by parsing /proc/cpuinfo each time: 6–10 % of a drafting round
     // (perf, SmolLM2 DSpark drafter). Tell it once: the compute pool's size.

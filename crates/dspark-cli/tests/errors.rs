@@ -146,6 +146,14 @@ fn hostile_numbers_and_files_get_clear_errors() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(want), "DSPARK_KERNELS={v}: {err}");
     }
+    // Refused even where no network drafter loads, so that a misspelt value is never ignored.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dspark"))
+        .args(gen(&["--drafter", "ngram"]))
+        .env("DSPARK_DRAFTER_WEIGHTS", "q3")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("DSPARK_DRAFTER_WEIGHTS=q3 is not one of"), "{err}");
     // A FIFO as the model would block the read forever.
     let dir = tempfile::tempdir().unwrap();
     let fifo = dir.path().join("model.gguf");

@@ -144,7 +144,11 @@ impl Panels {
 
 impl std::fmt::Debug for Linear {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let kind = if self.fast.is_some() || self.thin.is_some() { " (q8)" } else { "" };
+        let kind = match (&self.fast, &self.thin) {
+            (Some(_), _) => " (quantized)",
+            (None, Some(_)) => " (8-bit panels)",
+            (None, None) => "",
+        };
         write!(f, "Linear{:?}{kind}", self.weight.dims())
     }
 }
@@ -890,7 +894,8 @@ mod tests {
 
     /// Drafting's products after `quantize` equal the f32 definition within the rounding of
     /// their format, on the thin panels (rank 32 with a bias, a full panel, a ragged one: 8 bits
-    /// whatever the format) and the Q8_0 and Q4_0 kernels.
+    /// whatever the format) and the Q8_0 and Q4_0 kernels; and the format asked for is the one
+    /// used (4 bits round visibly coarser than 8 on the same product).
     #[test]
     fn drafting_products_match_the_f32_forward() {
         let dev = Device::Cpu;
@@ -901,9 +906,9 @@ mod tests {
             (GgmlDType::Q8_0, 64, 64, 2e-2),
             (GgmlDType::Q8_0, 40, 7, 2e-2),
             (GgmlDType::Q8_0, 50, 128, 3e-2),
-            (GgmlDType::Q4_0, 70, 32, 2e-2),
             (GgmlDType::Q4_0, 50, 128, 0.1),
         ];
+        let mut worst = std::collections::HashMap::new();
         for (format, out, inp, tol) in cases {
             let w = Tensor::from_vec(vals(out * inp, 0.37), (out, inp), &dev).unwrap();
             let b = Tensor::from_vec(vals(out, 1.1), out, &dev).unwrap();
@@ -923,7 +928,11 @@ mod tests {
             for (g, w) in got.iter().zip(&want) {
                 assert!((g - w).abs() <= tol * scale, "{format:?} in {inp}: {g} vs {w}");
             }
+            let err = got.iter().zip(&want).fold(0f32, |m, (g, w)| m.max((g - w).abs())) / scale;
+            worst.insert((format, out, inp), err);
         }
+        let (q8, q4) = (worst[&(GgmlDType::Q8_0, 50, 128)], worst[&(GgmlDType::Q4_0, 50, 128)]);
+        assert!(q4 > 2.0 * q8, "Q4_0's error {q4} should be well above Q8_0's {q8}: was Q4_0 used?");
     }
 
     /// Drafting's graph-free attention equals the differentiable one (grouped heads, a mask).

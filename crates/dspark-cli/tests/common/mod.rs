@@ -126,7 +126,7 @@ pub fn chi2_check(counts: &[usize], p: &[f64], n: usize, what: &str) {
 }
 
 /// The shipped SmolLM2 DSpark-Markov drafter as the serving engine takes it: a block model with
-/// its 8-bit inference weights.
+/// its quantized drafting weights (Q4_0 by default).
 pub fn shipped_block_drafter(t: &std::sync::Arc<Model>) -> dspark_engine::EngineDrafter {
     dspark_engine::EngineDrafter::Block(shipped_block_model(t))
 }
