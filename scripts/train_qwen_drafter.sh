@@ -36,7 +36,29 @@ if [ ! -f "$W/stdlib-prompts.jsonl" ]; then
   $D data prompts --from "$W/stdlib-prompts.jsonl.part" --append --out "$W/code-prompts.jsonl"
   mv "$W/stdlib-prompts.jsonl.part" "$W/stdlib-prompts.jsonl"
 fi
-# 1c. Answers earlier sessions regenerated, committed (data/train/README.md) because a new machine
+# 1c. More after the standard library's (from index 5 571): functions and classes to write from
+#     the docstrings of permissively licensed PyPI packages, pinned so that every machine makes
+#     the same prompts at the same indices (licences in data/train/README.md), in two appends
+#     (`data prompts --append` orders each batch its own way, so the split is part of the
+#     indices): boltons, more-itertools and toolz are 5 571–6 162, pydash, funcy and networkx
+#     6 163–7 773. Answer them with EXTRA="5571:2203".
+if [ ! -f "$W/pkg-prompts.jsonl" ]; then
+  P="$W/pkgs"
+  mkdir -p "$P"
+  python3 -m pip download -q --no-deps --no-binary :all: -d "$P" boltons==26.2.0 more-itertools==11.2.1 \
+    toolz==1.2.0 pydash==8.1.0 funcy==2.1 networkx==3.6.1
+  for batch in "boltons-26.2.0 more_itertools-11.2.1 toolz-1.2.0" "pydash-8.1.0 funcy-2.1 networkx-3.6.1"; do
+    : > "$W/pkg-batch.jsonl"
+    for pkg in $batch; do
+      tar -xzf "$P/$pkg.tar.gz" -C "$P"
+      python3 scripts/stdlib_code_prompts.py "$P/$pkg.jsonl" --root "$P/$pkg"
+      cat "$P/$pkg.jsonl" >> "$W/pkg-batch.jsonl"
+    done
+    $D data prompts --from "$W/pkg-batch.jsonl" --append --out "$W/code-prompts.jsonl"
+  done
+  mv "$W/pkg-batch.jsonl" "$W/pkg-prompts.jsonl"
+fi
+# 1d. Answers earlier sessions regenerated, committed (data/train/README.md) because a new machine
 #     keeps nothing but the repository: a fresh answers file starts from them, `regenerate` skips
 #     their prompts, and step 2 recomputes their features.
 A=data/train/$T-answers.jsonl
