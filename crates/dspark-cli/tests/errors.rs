@@ -16,6 +16,15 @@ fn fails_with(args: &[&str], needle: &str) {
     assert!(err.contains(needle), "dspark {args:?}: expected {needle:?} in: {err}");
 }
 
+/// `dspark args` with the environment variable `key` set to `value` fails with `needle`.
+fn env_fails_with<S: AsRef<std::ffi::OsStr>>(args: &[S], key: &str, value: &str, needle: &str) {
+    let out =
+        std::process::Command::new(env!("CARGO_BIN_EXE_dspark")).args(args).env(key, value).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && !err.contains("panicked"), "{key}={value}: {err}");
+    assert!(err.contains(needle), "{key}={value}: expected {needle:?} in: {err}");
+}
+
 #[test]
 fn missing_file() {
     fails_with(&["generate", "--model", "/nonexistent/model.gguf", "--prompt", "hi"], "does not exist");
@@ -130,30 +139,17 @@ fn hostile_numbers_and_files_get_clear_errors() {
     run(gen(&["--drafter", "ngram", "--policy", "plain"]), "use --drafter none");
     run(gen(&["--drafter", "ngram", "--policy", "fixed", "--min-survival", "0.2"]), "give one of the two");
     fails_with(&["init-drafter", "--block", "100000", "--out", "/nonexistent/d"], "block_size is 100000");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dspark"))
-        .args(gen(&["--drafter", "none"]))
-        .env("DSPARK_THREADS", "abc")
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("DSPARK_THREADS=abc"), "{err}");
-    for (v, want) in [("bogus", "is not a kernel path"), ("avx512-vnni-nope", "is not a kernel path")] {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_dspark"))
-            .args(gen(&["--drafter", "none"]))
-            .env("DSPARK_KERNELS", v)
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && err.contains(want), "DSPARK_KERNELS={v}: {err}");
+    env_fails_with(&gen(&["--drafter", "none"]), "DSPARK_THREADS", "abc", "DSPARK_THREADS=abc");
+    for v in ["bogus", "avx512-vnni-nope"] {
+        env_fails_with(&gen(&["--drafter", "none"]), "DSPARK_KERNELS", v, "is not a kernel path");
     }
     // Refused even where no network drafter loads, so that a misspelt value is never ignored.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dspark"))
-        .args(gen(&["--drafter", "ngram"]))
-        .env("DSPARK_DRAFTER_WEIGHTS", "q3")
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("DSPARK_DRAFTER_WEIGHTS=q3 is not one of"), "{err}");
+    env_fails_with(
+        &gen(&["--drafter", "ngram"]),
+        "DSPARK_DRAFTER_WEIGHTS",
+        "q3",
+        "DSPARK_DRAFTER_WEIGHTS=q3 is not one of",
+    );
     // A FIFO as the model would block the read forever.
     let dir = tempfile::tempdir().unwrap();
     let fifo = dir.path().join("model.gguf");
