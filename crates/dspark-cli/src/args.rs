@@ -70,8 +70,7 @@ pub struct DrafterArgs {
     pub profile: Option<PathBuf>,
     /// Measure `--policy dspark`'s cost table again instead of reusing the one `generate`
     /// measured before for this model, drafter, γ, thread count, kernel path, drafting weights
-    /// and CPU (kept in
-    /// $DSPARK_HOME/profiles/): after a change to the machine or its load.
+    /// and CPU (kept in $DSPARK_HOME/profiles/): after a change to the machine or its load.
     #[arg(long)]
     pub reprofile: bool,
 }

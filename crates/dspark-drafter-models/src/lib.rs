@@ -65,20 +65,17 @@ impl DraftWeights {
     /// `DSPARK_DRAFTER_WEIGHTS=q4|q8|f32`, [`DraftWeights::Q4`] when unset; another value is
     /// refused rather than silently replaced.
     pub fn from_env() -> Result<Self> {
-        match std::env::var("DSPARK_DRAFTER_WEIGHTS") {
-            Err(std::env::VarError::NotPresent) => Ok(Self::Q4),
-            Err(std::env::VarError::NotUnicode(v)) => Err(NetworkError::Config(format!(
-                "DSPARK_DRAFTER_WEIGHTS={} is not one of q4, q8, f32 (the drafting weights' format; \
-                 unset it for the default, q4)",
-                v.to_string_lossy()
-            ))),
-            Ok(v) => Self::parse(&v).ok_or_else(|| {
-                NetworkError::Config(format!(
-                    "DSPARK_DRAFTER_WEIGHTS={v} is not one of q4, q8, f32 (the drafting weights' \
-                     format; unset it for the default, q4)"
-                ))
-            }),
-        }
+        let v = match std::env::var("DSPARK_DRAFTER_WEIGHTS") {
+            Err(std::env::VarError::NotPresent) => return Ok(Self::Q4),
+            Err(std::env::VarError::NotUnicode(v)) => v.to_string_lossy().into_owned(),
+            Ok(v) => v,
+        };
+        Self::parse(&v).ok_or_else(|| {
+            NetworkError::Config(format!(
+                "DSPARK_DRAFTER_WEIGHTS={v} is not one of q4, q8, f32 (the drafting weights' format; \
+                 unset it for the default, q4)"
+            ))
+        })
     }
 
     pub fn parse(v: &str) -> Option<Self> {
