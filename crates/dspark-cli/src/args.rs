@@ -33,6 +33,21 @@ impl ModelArg {
         let path = dspark_hub::resolve(&self.model, true)?;
         Model::load(&path).with_context(|| format!("loading {}", path.display()))
     }
+
+    /// The model as a draft model: its matrices in the drafting format of
+    /// `DSPARK_DRAFTER_WEIGHTS` (Q4_0 by default; `f32` keeps the file's own formats), since
+    /// every drafted token reads all of them.
+    pub fn load_for_drafting(&self) -> Result<Model> {
+        use candle_core::quantized::GgmlDType;
+        use dspark_drafter_models::DraftWeights;
+        let path = dspark_hub::resolve(&self.model, true)?;
+        let loaded = match DraftWeights::from_env()? {
+            DraftWeights::F32 => Model::load(&path),
+            DraftWeights::Q8 => Model::load_requantized(&path, GgmlDType::Q8_0),
+            DraftWeights::Q4 => Model::load_requantized(&path, GgmlDType::Q4_0),
+        };
+        loaded.with_context(|| format!("loading {}", path.display()))
+    }
 }
 
 #[derive(Args, Clone)]
@@ -236,7 +251,7 @@ impl DrafterArgs {
             DrafterSpec::None => None,
             DrafterSpec::Ngram => Some((Box::new(NgramDrafter::default()), gamma)),
             DrafterSpec::DraftModel(name) => {
-                let model = ModelArg { model: name.clone() }.load()?;
+                let model = ModelArg { model: name.clone() }.load_for_drafting()?;
                 Some((Box::new(DraftModel::new(model, &name, target)?), gamma))
             }
             DrafterSpec::Network(method, dir) => {

@@ -8,7 +8,7 @@ use dspark_drafters::{DraftModel, NgramDrafter};
 use dspark_engine::{generate as generate_spec, SpecParams};
 use dspark_model::{Model, SeqInput, TapSpec};
 use dspark_sampling::{Sampler, SamplingParams};
-use dspark_spec::{verify, DraftDist};
+use dspark_spec::{verify, DraftDist, Drafter};
 
 #[test]
 fn greedy_ngram_output_is_plain_greedy_output_on_100_prompts() {
@@ -44,7 +44,8 @@ fn self_drafting_accepts_whole_blocks_and_stops_at_eos_inside_one() {
     // is reached mid-block and EOS arrives inside an accepted block.
     let path = common::model("smollm2-135m");
     let m = std::sync::Arc::new(Model::load(&path).unwrap());
-    let mut d = DraftModel::new(Model::load(&path).unwrap(), "smollm2-135m", &m).unwrap();
+    // Drafting every γ, however unsure: full blocks are what this test is about.
+    let mut d = DraftModel::new(Model::load(&path).unwrap(), "smollm2-135m", &m).unwrap().with_min_p(0.0);
     let eos = m.tokenizer.eos().to_vec();
     let short = m
         .tokenizer
@@ -62,6 +63,69 @@ fn self_drafting_accepts_whole_blocks_and_stops_at_eos_inside_one() {
         assert_eq!(got, want);
         assert!(tau > 4.0, "τ {tau}");
     }
+}
+
+#[test]
+fn a_draft_model_stops_before_a_draft_it_is_unsure_of_and_the_output_is_unchanged() {
+    let path = common::model("smollm2-135m");
+    let m = std::sync::Arc::new(Model::load(&path).unwrap());
+    let greedy = SamplingParams::default();
+    let unsure = 0.9f32;
+    let mut shorter = 0;
+    for prompt in math_and_code(&m, 3) {
+        let mut all = DraftModel::new(Model::load(&path).unwrap(), "self", &m).unwrap().with_min_p(0.0);
+        let mut sure = DraftModel::new(Model::load(&path).unwrap(), "self", &m).unwrap().with_min_p(unsure);
+        all.begin(&prompt, &Default::default(), 0).unwrap();
+        sure.begin(&prompt, &Default::default(), 0).unwrap();
+        let every = all.propose(&prompt, 8, &greedy).unwrap().tokens;
+        let kept = sure.propose(&prompt, 8, &greedy).unwrap().tokens;
+        assert_eq!(every.len(), 8);
+        assert_eq!(kept[..], every[..kept.len()], "the stopping rule only shortens the draft");
+        // The draft model is the target: the next token's top probability is read off its logits.
+        let mut cache = m.new_cache(prompt.len() + 16);
+        let ctx: Vec<u32> = prompt.iter().chain(&every[..kept.len()]).copied().collect();
+        let logits = m.forward(&mut [SeqInput::logits_last(&mut cache, &ctx)], &TapSpec::default()).unwrap();
+        let l = &logits[0].logits;
+        let top = l.iter().fold(f32::MIN, |a, &b| a.max(b));
+        let p_top = 1.0 / l.iter().map(|x| (x - top).exp()).sum::<f32>();
+        if kept.len() < 8 {
+            shorter += 1;
+            assert!(p_top < unsure, "stopped before a draft of top probability {p_top}");
+        }
+        let want = plain(&m, &prompt, 40);
+        let (got, _) = spec(&m, &mut sure, &prompt, 40, 6);
+        assert_eq!(got, want);
+    }
+    assert!(shorter > 0, "at {unsure}, some draft of these prompts should have stopped early");
+}
+
+#[test]
+fn a_requantized_draft_model_is_close_to_its_file_and_keeps_the_output() {
+    use candle_core::quantized::GgmlDType;
+    let path = common::model("smollm2-135m");
+    let m = std::sync::Arc::new(Model::load(&path).unwrap());
+    let prompt = &math_and_code(&m, 1)[0];
+    let last = |model: &Model| {
+        let mut cache = model.new_cache(prompt.len());
+        model.forward(&mut [SeqInput::logits_last(&mut cache, prompt)], &TapSpec::default()).unwrap()[0]
+            .logits
+            .clone()
+    };
+    let want = last(&m);
+    let spread = want.iter().fold(0f32, |a, &b| a.max(b.abs()));
+    let mut err = Vec::new();
+    for format in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
+        let q = Model::load_requantized(&path, format).unwrap();
+        let got = last(&q);
+        let e = got.iter().zip(&want).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+        assert!(e > 0.0 && e < 0.25 * spread, "{format:?}: logits off by {e} (largest {spread})");
+        err.push(e);
+        let mut d = DraftModel::new(q, "self-requantized", &m).unwrap();
+        for prompt in math_and_code(&m, 2) {
+            assert_eq!(spec(&m, &mut d, &prompt, 32, 5).0, plain(&m, &prompt, 32), "{format:?}");
+        }
+    }
+    assert!(err[1] > err[0], "4 bits should round coarser than 8 (errors {err:?}): was Q4_0 used?");
 }
 
 #[test]

@@ -9,7 +9,7 @@ mod recorder;
 
 pub use auto::AutoDrafter;
 pub use block::{propose_batch, BatchEntry, BlockDrafter, BlockSeq};
-pub use draft_model::DraftModel;
+pub use draft_model::{DraftModel, DEFAULT_MIN_P};
 pub use eagle3::Eagle3Drafter;
 pub use ngram::NgramDrafter;
 pub use recorder::Recorder;

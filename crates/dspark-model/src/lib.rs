@@ -228,14 +228,29 @@ impl Model {
     /// Loads a `.gguf` file or a Hugging Face directory (`config.json`, safetensors,
     /// `tokenizer.json`).
     pub fn load(path: &Path) -> Result<Self> {
+        Self::load_with(path, None)
+    }
+
+    /// [`Model::load`] with every matrix requantized to `format` (`Q4_0`, `Q8_0`): for a draft
+    /// model, whose every drafted token reads all its weights. A row that is not whole blocks
+    /// of `format` keeps the file's format. Outputs differ from the file's by the rounding.
+    pub fn load_requantized(path: &Path, format: candle_core::quantized::GgmlDType) -> Result<Self> {
+        Self::load_with(path, Some(format))
+    }
+
+    fn load_with(path: &Path, requant: Option<candle_core::quantized::GgmlDType>) -> Result<Self> {
         if path.is_dir() {
-            Self::load_hf(path)
+            Self::load_hf_with(path, requant)
         } else {
-            Self::load_gguf(path)
+            Self::load_gguf_with(path, requant)
         }
     }
 
     pub fn load_gguf(path: &Path) -> Result<Self> {
+        Self::load_gguf_with(path, None)
+    }
+
+    fn load_gguf_with(path: &Path, requant: Option<candle_core::quantized::GgmlDType>) -> Result<Self> {
         let mut f = open_regular(path)?;
         let not_gguf = |e: &dyn std::fmt::Display| {
             ModelError::Format(format!("{} is not a readable GGUF file: {e}", path.display()))
@@ -292,11 +307,18 @@ impl Model {
             }
             None => None,
         };
-        let w = Weights::gguf(path, content);
+        let mut w = Weights::gguf(path, content);
+        if let Some(format) = requant {
+            w = w.requantized(format);
+        }
         Self::build(config, tokenizer, chat_template, &w)
     }
 
     pub fn load_hf(dir: &Path) -> Result<Self> {
+        Self::load_hf_with(dir, None)
+    }
+
+    fn load_hf_with(dir: &Path, requant: Option<candle_core::quantized::GgmlDType>) -> Result<Self> {
         let read = |name: &str| {
             let p = dir.join(name);
             std::fs::read_to_string(&p).map_err(|e| ModelError::io(&p, e))
@@ -326,7 +348,10 @@ impl Model {
                 Some(src) => Some(template(src, &tokenizer)?),
                 None => None,
             };
-        let w = Weights::hf(dir, config.family)?;
+        let mut w = Weights::hf(dir, config.family)?;
+        if let Some(format) = requant {
+            w = w.requantized(format);
+        }
         Self::build(config, tokenizer, chat_template, &w)
     }
 

@@ -3,7 +3,7 @@
 use crate::config::Family;
 use crate::{ModelError, Result};
 use candle_core::quantized::gguf_file::Content;
-use candle_core::quantized::GgmlDType;
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use dspark_kernels::{KernelChoice, QLinear};
 use std::collections::HashMap;
@@ -11,13 +11,22 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 pub enum Weights {
-    Gguf { path: PathBuf, content: Content, kernels: KernelChoice },
-    Hf { tensors: HashMap<String, Tensor>, family: Family },
+    Gguf { path: PathBuf, content: Content, kernels: KernelChoice, requant: Option<GgmlDType> },
+    Hf { tensors: HashMap<String, Tensor>, family: Family, requant: Option<GgmlDType> },
 }
 
 impl Weights {
     pub fn gguf(path: &Path, content: Content) -> Self {
-        Self::Gguf { path: path.to_path_buf(), content, kernels: KernelChoice::from_env() }
+        Self::Gguf { path: path.to_path_buf(), content, kernels: KernelChoice::from_env(), requant: None }
+    }
+
+    /// Every matrix read as `linear` is requantized to `format` (a draft model's weights: see
+    /// [`crate::Model::load_requantized`]); norms and biases are untouched.
+    pub fn requantized(mut self, format: GgmlDType) -> Self {
+        match &mut self {
+            Self::Gguf { requant, .. } | Self::Hf { requant, .. } => *requant = Some(format),
+        }
+        self
     }
 
     /// Reads every `*.safetensors` file of a Hugging Face model directory.
@@ -37,7 +46,7 @@ impl Weights {
                 .map_err(|e| ModelError::Format(format!("{}: {e}", f.display())))?;
             tensors.extend(loaded);
         }
-        Ok(Self::Hf { tensors, family })
+        Ok(Self::Hf { tensors, family, requant: None })
     }
 
     fn hf_name(family: Family, gguf: &str) -> String {
@@ -78,7 +87,7 @@ impl Weights {
     pub fn has(&self, name: &str) -> bool {
         match self {
             Self::Gguf { content, .. } => content.tensor_infos.contains_key(name),
-            Self::Hf { tensors, family } => tensors.contains_key(&Self::hf_name(*family, name)),
+            Self::Hf { tensors, family, .. } => tensors.contains_key(&Self::hf_name(*family, name)),
         }
     }
 
@@ -86,7 +95,7 @@ impl Weights {
     pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
         match self {
             Self::Gguf { content, .. } => content.tensor_infos.get(name).map(|t| t.shape.dims().to_vec()),
-            Self::Hf { tensors, family } => {
+            Self::Hf { tensors, family, .. } => {
                 tensors.get(&Self::hf_name(*family, name)).map(|t| t.dims().to_vec())
             }
         }
@@ -98,7 +107,7 @@ impl Weights {
 
     pub fn linear(&self, name: &str) -> Result<QLinear> {
         match self {
-            Self::Gguf { path, content, kernels } => {
+            Self::Gguf { path, content, kernels, requant } => {
                 if !content.tensor_infos.contains_key(name) {
                     return Err(Self::missing(name));
                 }
@@ -107,12 +116,21 @@ impl Weights {
                     ModelError::Format(format!("tensor `{name}`: {e} (is the file truncated?)"))
                 })?;
                 check_raw(name, qt.dtype(), &qt.data()?)?;
+                let qt = match requant {
+                    Some(format) if qt.dtype() != *format => {
+                        requantize(&qt.dequantize(&Device::Cpu)?, *format)?.unwrap_or(qt)
+                    }
+                    _ => qt,
+                };
                 Ok(QLinear::from_qtensor(qt, *kernels)?)
             }
-            Self::Hf { tensors, family } => {
+            Self::Hf { tensors, family, requant } => {
                 let t = tensors.get(&Self::hf_name(*family, name)).ok_or_else(|| Self::missing(name))?;
                 check_values(name, &t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)?;
-                Ok(QLinear::from_dense(t.clone())?)
+                match requant.map(|f| requantize(t, f)).transpose()?.flatten() {
+                    Some(qt) => Ok(QLinear::from_qtensor(qt, KernelChoice::from_env())?),
+                    None => Ok(QLinear::from_dense(t.clone())?),
+                }
             }
         }
     }
@@ -129,7 +147,7 @@ impl Weights {
                     |e| ModelError::Format(format!("tensor `{name}`: {e} (is the file truncated?)")),
                 )?
             }
-            Self::Hf { tensors, family } => {
+            Self::Hf { tensors, family, .. } => {
                 tensors.get(&Self::hf_name(*family, name)).ok_or_else(|| Self::missing(name))?.clone()
             }
         };
@@ -145,6 +163,16 @@ impl Weights {
             Ok(None)
         }
     }
+}
+
+/// `w` `(out, in)` in `format`, or `None` where its rows are not whole blocks of that format
+/// (such a matrix keeps its own format).
+fn requantize(w: &Tensor, format: GgmlDType) -> Result<Option<QTensor>> {
+    let (_, k) = w.dims2()?;
+    if !k.is_multiple_of(format.block_size()) {
+        return Ok(None);
+    }
+    Ok(Some(QTensor::quantize(&w.to_dtype(DType::F32)?, format)?))
 }
 
 fn corrupt(name: &str, what: &str) -> ModelError {
