@@ -37,10 +37,11 @@ pub struct Gemma3 {
 
 impl Gemma3 {
     pub fn load(cfg: &Config, w: &Weights) -> Result<Self> {
-        let mut layers = Vec::with_capacity(cfg.n_layers);
-        for i in 0..cfg.n_layers {
+        // Layers load in parallel: reading, checking and repacking (or requantizing) each matrix
+        // is CPU work that one thread would do alone.
+        let layers = crate::load_layers(cfg.n_layers, |i| {
             let n = |s: &str| format!("blk.{i}.{s}");
-            layers.push(Layer {
+            Ok(Layer {
                 attn_norm: w.vector(&n("attn_norm.weight"))?,
                 q: w.linear(&n("attn_q.weight"))?,
                 k: w.linear(&n("attn_k.weight"))?,
@@ -54,8 +55,8 @@ impl Gemma3 {
                 up: w.linear(&n("ffn_up.weight"))?,
                 down: w.linear(&n("ffn_down.weight"))?,
                 post_ffn_norm: w.vector(&n("post_ffw_norm.weight"))?,
-            });
-        }
+            })
+        })?;
         let lm_head = if w.has("output.weight") { Some(w.linear("output.weight")?) } else { None };
         Ok(Self {
             cfg: cfg.clone(),

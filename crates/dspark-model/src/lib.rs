@@ -59,6 +59,12 @@ impl ModelError {
 
 pub type Result<T> = std::result::Result<T, ModelError>;
 
+/// `load(i)` for every layer `i`, on the compute pool's threads; the first error if any.
+pub(crate) fn load_layers<L: Send>(n: usize, load: impl Fn(usize) -> Result<L> + Sync) -> Result<Vec<L>> {
+    use rayon::prelude::*;
+    pool().install(|| (0..n).into_par_iter().map(&load).collect())
+}
+
 /// The compute pool, one thread per core (`DSPARK_THREADS` overrides).
 pub fn pool() -> &'static rayon::ThreadPool {
     static POOL: std::sync::OnceLock<rayon::ThreadPool> = std::sync::OnceLock::new();
