@@ -107,7 +107,7 @@ impl Drafter for DraftModel {
                 (t as u32, DraftDist::OneHot, 1.0 / z)
             } else {
                 let q = p.distribution(&logits);
-                let top = q.iter().fold(0f64, |m, &x| m.max(x as f64)) as f32;
+                let top = q.iter().fold(0f64, |m, &x| m.max(x)) as f32;
                 (self.rng.draw(&q) as u32, DraftDist::Dense(q), top)
             };
             // An unsure draft model is mostly wrong, and each further draft costs a forward of it.
