@@ -9,12 +9,13 @@ the target answers them itself (`dspark data regenerate`), and `dspark data prom
 standard library's docstrings are under the PSF licence; the prompts are not committed, the answers the
 target gave them are (data/train/README.md, with the licence notice).
 
-Usage: scripts/stdlib_code_prompts.py OUT.jsonl [--seed 0] [--root DIR]
+Usage: scripts/stdlib_code_prompts.py OUT.jsonl [--seed 0] [--root DIR] [--skip-dir NAME ...]
 
 `--root` reads another source tree instead, e.g. a permissively licensed package unpacked from
 PyPI (`pip download --no-deps --no-binary :all: sympy`, then its folder): more prompts in the
 same domain once the standard library's are all answered. Record the package and its licence in
-data/train/README.md when its answers are committed.
+data/train/README.md when its answers are committed. `--skip-dir` leaves out folders of that
+name as well, e.g. the code a package vendors from other projects, so that its prompts are its own.
 """
 import argparse
 import ast
@@ -91,13 +92,16 @@ def main() -> int:
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--root", type=Path, help="a source tree to read instead of the standard library")
+    ap.add_argument("--skip-dir", action="append", default=[], metavar="NAME",
+                    help="also leave out folders of this name (repeatable)")
     a = ap.parse_args()
     root = a.root or Path(sysconfig.get_paths()["stdlib"])
     rng = random.Random(a.seed)
     seen, out = set(), []
+    skip = set(a.skip_dir)
     for path in sorted(root.rglob("*.py")):
         parts = path.relative_to(root).parts[:-1]
-        if SKIP_DIRS.intersection(parts) or any(p.startswith("config-") for p in parts) or path.name.startswith("test_"):
+        if SKIP_DIRS.intersection(parts) or skip.intersection(parts) or any(p.startswith("config-") for p in parts) or path.name.startswith("test_"):
             continue
         for p in prompts_of(path, rng):
             if p not in seen:

@@ -58,6 +58,36 @@ if [ ! -f "$W/pkg-prompts.jsonl" ]; then
   done
   mv "$W/pkg-batch.jsonl" "$W/pkg-prompts.jsonl"
 fi
+# 1e. More after those (from index 7 774): the same from nine more pinned packages' own code
+#     (vendored folders left out), one append: sympy, numpy, scipy, pandas, scikit-learn, click,
+#     werkzeug, sortedcontainers, attrs (licences in data/train/README.md). Downloaded by hash
+#     without building anything (scripts/fetch_sdists.py says why). Answer them with EXTRA="7774:N".
+if [ ! -f "$W/pkg2-prompts.jsonl" ]; then
+  P="$W/pkgs2"
+  python3 scripts/fetch_sdists.py "$P" \
+    sympy==1.14.0=d3d3fe8df1e5a0b42f0e7bdf50541697dbe7d23746e894990c030e2b05e72517 \
+    numpy==2.4.6=f3a3570c4a2a16746ac2c31a7c7c7b0c186b95ce902e33db6f28094ed7387dda \
+    scipy==1.17.1=95d8e012d8cb8816c226aef832200b1d45109ed4464303e997c5b13122b297c0 \
+    pandas==3.1.1=05fed3e3b7c99b226f160e29d7d6cb7ef39638c758cbfe42b3f24ba34f04b859 \
+    scikit-learn==1.9.1=629cada3e33e2b9bf376cdc7614a47a4140b8aedc1d836579e359736fbd82977 \
+    click==8.5.1=9bbfada76703fd1d784b83eea012e3e8c6a001a876543ef104fa56aaaeb072b4 \
+    werkzeug==3.1.9=55ca7c70a75689be937aa27f8ff4b018f06ff4838fc73045560bf0f5a1291060 \
+    sortedcontainers==2.4.0=25caa5a06cc30b6b83d11423433f65d1f9d76c4c6a0c90e3379eaa43b9bfdb88 \
+    attrs==26.1.0=d03ceb89cb322a8fd706d4fb91940737b6642aa36998fe130a9bc96c985eff32
+  skip=(--skip-dir externals --skip-dir vendored --skip-dir array_api_extra --skip-dir array_api_compat
+        --skip-dir cobyqa --skip-dir pyprima --skip-dir _uarray --skip-dir benchmarks)
+  : > "$W/pkg2-batch.jsonl"
+  for root in sympy-1.14.0/sympy numpy-2.4.6/numpy scipy-1.17.1/scipy pandas-3.1.1/pandas \
+      scikit_learn-1.9.1/sklearn click-8.5.1/src werkzeug-3.1.9/src \
+      sortedcontainers-2.4.0/sortedcontainers attrs-26.1.0/src; do
+    pkg=${root%%/*}
+    [ -d "$P/$pkg" ] || tar -xzf "$P/$pkg.tar.gz" -C "$P"
+    python3 scripts/stdlib_code_prompts.py "$P/$pkg.jsonl" --root "$P/$root" "${skip[@]}"
+    cat "$P/$pkg.jsonl" >> "$W/pkg2-batch.jsonl"
+  done
+  $D data prompts --from "$W/pkg2-batch.jsonl" --append --out "$W/code-prompts.jsonl"
+  mv "$W/pkg2-batch.jsonl" "$W/pkg2-prompts.jsonl"
+fi
 # 1d. Answers earlier sessions regenerated, committed (data/train/README.md) because a new machine
 #     keeps nothing but the repository: a fresh answers file starts from them, `regenerate` skips
 #     their prompts, and step 2 recomputes their features.
